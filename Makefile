@@ -1,0 +1,30 @@
+# Two commands on a fresh clone: `make test` and `make train`. Both create .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+NPROC ?= 2
+TRAIN_SCRIPT ?= $(if $(wildcard examples/train_gpt.py),examples/train_gpt.py,examples/mesh_demo.py)
+
+.PHONY: test train lint bench clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $@
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -x -q tests
+
+train: $(VENV)/.installed
+	$(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) $(TRAIN_SCRIPT)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

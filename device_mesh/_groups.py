@@ -1,0 +1,136 @@
+"""Process-group creation and caching.
+
+Every rank must create every process group in the same order: ``new_group`` is a collective
+over the default group, even for ranks that are not members. Meshes therefore enumerate all
+the rank sets of a mesh dim (not only the one this rank belongs to) and ask this module for
+each, in a deterministic order. A rank set is created once per backend and then served from
+the cache, so slicing a mesh or building a second mesh of the same shape creates nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# (backend, ranks) -> ProcessGroup (or GroupMember.NON_GROUP_MEMBER on non-members)
+_GROUP_CACHE: dict[tuple[str, tuple[int, ...]], object] = {}
+
+# Backend per device type. A device type absent here has no usable backend.
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+
+
+def backend_for(device_type: str, *, api: str = "DeviceMesh") -> str:
+    """Return the collective backend used for ``device_type``, or raise a clear error.
+
+    Example:
+        >>> backend_for("cpu")
+        'gloo'
+    """
+    if not isinstance(device_type, str):
+        raise TypeError(
+            f"{api}: device_type must be a str such as 'cpu' or 'cuda', got {device_type!r}."
+        )
+    backend = _BACKENDS.get(device_type)
+    if backend is None:
+        raise ValueError(
+            f"{api}: device_type must be one of {sorted(_BACKENDS)}, got {device_type!r}. "
+            "Use 'cpu' (gloo) or 'cuda' (NCCL)."
+        )
+    if device_type == "cuda" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise ValueError(
+            f"{api}: device_type 'cuda' has no usable backend on this machine "
+            f"(cuda available: {torch.cuda.is_available()}, NCCL available: "
+            f"{dist.is_nccl_available()}). Use device_type='cpu' to run on gloo."
+        )
+    if device_type == "cpu" and not dist.is_gloo_available():
+        raise ValueError(
+            f"{api}: device_type 'cpu' needs the gloo backend, which this torch build lacks. "
+            "Install a torch build with gloo support."
+        )
+    return backend
+
+
+def ensure_default_group(device_type: str) -> None:
+    """Initialize the default process group from the environment if none exists.
+
+    ``torchrun`` sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``; this reads
+    them through ``init_method='env://'``. A lone process with none of them set gets a world of
+    one on a loopback store, which lets scripts and notebooks run unchanged.
+    """
+    if dist.is_initialized():
+        return
+    backend = backend_for(device_type)
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ["RANK"] = "0"
+        os.environ["WORLD_SIZE"] = "1"
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    logger.info(
+        "initializing the default process group (%s) from the environment: rank %s of %s",
+        backend,
+        os.environ["RANK"],
+        os.environ["WORLD_SIZE"],
+    )
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=_timeout_s()))
+
+
+def _timeout_s() -> float:
+    return float(os.environ.get("DEVICE_MESH_TIMEOUT_S", "600"))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _world_backend_serves(backend: str) -> bool:
+    world_backend = str(dist.get_backend()).lower()
+    return backend in world_backend
+
+
+def get_group(ranks: tuple[int, ...], backend: str):
+    """Return the process group over ``ranks`` (sorted by global rank), creating it once.
+
+    Must be called by every rank of the default group, in the same order, the first time a
+    given rank set is requested; later requests are served from the cache without
+    communication. Returns ``GroupMember.NON_GROUP_MEMBER`` on ranks outside ``ranks``.
+    """
+    _drop_stale_cache()
+    key = (backend, tuple(sorted(ranks)))
+    group = _GROUP_CACHE.get(key)
+    if group is not None:
+        return group
+    world = dist.get_world_size()
+    if key[1] == tuple(range(world)) and _world_backend_serves(backend):
+        group = dist.group.WORLD
+    else:
+        group = dist.new_group(ranks=list(key[1]), backend=backend)
+        logger.debug("created %s process group over ranks %s", backend, key[1])
+    _GROUP_CACHE[key] = group
+    return group
+
+
+_CACHE_WORLD: list[object] = [None]
+
+
+def _drop_stale_cache() -> None:
+    # A destroyed and re-initialized default group invalidates every cached subgroup.
+    if _CACHE_WORLD[0] is not dist.group.WORLD:
+        _GROUP_CACHE.clear()
+        _CACHE_WORLD[0] = dist.group.WORLD
+
+
+def clear_cache() -> None:
+    """Forget cached groups (call after ``destroy_process_group``)."""
+    _GROUP_CACHE.clear()

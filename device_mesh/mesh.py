@@ -1,0 +1,467 @@
+"""DeviceMesh: an n-D grid of ranks with named dims and one process group per mesh dim.
+
+Vocabulary used across the project: a *mesh dim* is an axis of this grid (``"dp"``,
+``"tp"``), never an axis of a tensor. Along mesh dim ``d`` every rank belongs to exactly one
+1-D slice of the grid; the process group of that slice is what collectives over ``d`` use.
+
+[Note: groups are created for every slice, on every rank]
+``torch.distributed.new_group`` is collective over the default group: all ranks must call it
+for every group, in the same order, including groups they are not members of. A mesh
+therefore walks all slices of each mesh dim (not only its own) when it is built, through the
+cache in ``_groups``; slicing a mesh by name reuses those groups and creates none.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from device_mesh import _groups
+
+logger = logging.getLogger(__name__)
+
+
+class DeviceMesh:
+    """An n-D mesh of ranks with optional names, over which collectives run per mesh dim.
+
+    Args:
+        device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL).
+        mesh: the global ranks, as a tensor or nested list, one entry per grid cell. Its
+            number of entries must equal the world size and every rank appears once.
+        mesh_dim_names: one name per mesh dim, e.g. ``("dp", "tp")``.
+
+    Raises:
+        ValueError: the mesh size differs from the world size, a rank repeats or is out of
+            range, or the names are missing, repeated or of the wrong number.
+
+    Example:
+        >>> mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
+        >>> mesh["tp"].get_group()        # the process group of this rank's row
+        >>> mesh.get_coordinate()         # (1, 0) on rank 2
+    """
+
+    def __init__(
+        self,
+        device_type: str,
+        mesh: torch.Tensor | Sequence,
+        *,
+        mesh_dim_names: tuple[str, ...] | None = None,
+    ) -> None:
+        backend = _groups.backend_for(device_type)
+        _groups.ensure_default_group(device_type)
+        mesh_tensor = _as_mesh_tensor(mesh)
+        names = _check_dim_names(mesh_dim_names, mesh_tensor.ndim, api="DeviceMesh")
+        _check_ranks(mesh_tensor, dist.get_world_size())
+        self._init(device_type, backend, mesh_tensor, names)
+        self._root: DeviceMesh = self
+        self._root_dims: tuple[int, ...] = tuple(range(mesh_tensor.ndim))
+        self._flattened: dict[str, DeviceMesh] = {}
+        self._dim_groups = [self._create_dim_groups(d) for d in range(self.ndim)]
+        logger.info("built %r", self)
+
+    # ----------------------------------------------------------------------------- building
+    def _init(self, device_type, backend, mesh_tensor, names) -> None:
+        self._device_type = device_type
+        self._backend = backend
+        self._mesh = mesh_tensor
+        self._dim_names = names
+        self._rank = dist.get_rank()
+        coord = (mesh_tensor == self._rank).nonzero()
+        self._coordinate = tuple(int(c) for c in coord[0]) if len(coord) else None
+
+    def _create_dim_groups(self, mesh_dim: int):
+        """Create (or fetch) the groups of every slice along ``mesh_dim``; return this rank's."""
+        size = self._mesh.size(mesh_dim)
+        slices = self._mesh.movedim(mesh_dim, -1).reshape(-1, size)
+        mine = None
+        for row in slices.tolist():
+            group = _groups.get_group(tuple(row), self._backend)
+            if self._rank in row:
+                mine = group
+        return mine
+
+    @classmethod
+    def _view(cls, root: DeviceMesh, mesh_tensor, names, root_dims, dim_groups) -> DeviceMesh:
+        """A sub-mesh of ``root`` sharing its groups (no group is created)."""
+        sub = cls.__new__(cls)
+        sub._init(root._device_type, root._backend, mesh_tensor, names)
+        sub._root = root
+        sub._root_dims = root_dims
+        sub._flattened = {}
+        sub._dim_groups = list(dim_groups)
+        return sub
+
+    # ----------------------------------------------------------------------------- queries
+    @property
+    def device_type(self) -> str:
+        """The device type, ``"cpu"`` or ``"cuda"``."""
+        return self._device_type
+
+    @property
+    def mesh(self) -> torch.Tensor:
+        """The global ranks as an int64 tensor of shape ``self.shape``."""
+        return self._mesh
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...] | None:
+        """The names of the mesh dims, or None."""
+        return self._dim_names
+
+    @property
+    def ndim(self) -> int:
+        """Number of mesh dims."""
+        return self._mesh.ndim
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Size of every mesh dim."""
+        return tuple(self._mesh.shape)
+
+    def size(self, mesh_dim: int | str | None = None) -> int:
+        """Number of ranks in the mesh, or along ``mesh_dim``.
+
+        Example:
+            >>> init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")).size("tp")
+            2
+        """
+        if mesh_dim is None:
+            return self._mesh.numel()
+        return self._mesh.size(self._dim_index(mesh_dim, api="DeviceMesh.size"))
+
+    def get_rank(self) -> int:
+        """This process's global rank."""
+        return self._rank
+
+    def get_coordinate(self) -> tuple[int, ...] | None:
+        """This rank's index along every mesh dim, or None if it is not in the mesh.
+
+        Example:
+            >>> init_device_mesh("cpu", (2, 2)).get_coordinate()   # (1, 0) on rank 2
+        """
+        return self._coordinate
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        """This rank's index along ``mesh_dim`` (required when the mesh has several dims).
+
+        Example:
+            >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            >>> mesh.get_local_rank("tp")   # 1 on ranks 1 and 3
+        """
+        d = self._dim_or_only(mesh_dim, api="DeviceMesh.get_local_rank")
+        if self._coordinate is None:
+            raise RuntimeError(
+                f"DeviceMesh.get_local_rank: rank {self._rank} is not in {self!r}; only "
+                "member ranks have a local rank."
+            )
+        return self._coordinate[d]
+
+    def get_group(self, mesh_dim: int | str | None = None):
+        """The process group of this rank's slice along ``mesh_dim``.
+
+        Example:
+            >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            >>> dist.all_reduce(t, group=mesh.get_group("tp"))   # sums over this rank's row
+        """
+        return self._dim_groups[self._dim_or_only(mesh_dim, api="DeviceMesh.get_group")]
+
+    def get_all_groups(self) -> list:
+        """The process group of every mesh dim, in mesh-dim order."""
+        return list(self._dim_groups)
+
+    def ranks_along(self, mesh_dim: int | str) -> list[int]:
+        """Global ranks of this rank's slice along ``mesh_dim``, in mesh order.
+
+        Example:
+            >>> init_device_mesh("cpu", (2, 2)).ranks_along(1)   # [2, 3] on rank 2
+        """
+        d = self._dim_index(mesh_dim, api="DeviceMesh.ranks_along")
+        index = list(self._coordinate)
+        index[d] = slice(None)
+        return self._mesh[tuple(index)].tolist()
+
+    # ----------------------------------------------------------------------------- slicing
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        """Sub-mesh over the named mesh dims (in mesh order); no process group is created.
+
+        Example:
+            >>> mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "cp", "tp"))
+            >>> mesh["dp", "tp"].shape
+            (2, 2)
+        """
+        wanted = (names,) if isinstance(names, str) else tuple(names)
+        if len(wanted) == 1 and wanted[0] in self._root._flattened:
+            return self._root._flattened[wanted[0]]
+        dims = self._resolve_slice(wanted)
+        if dims == tuple(range(self.ndim)):
+            return self
+        index = [slice(None) if d in dims else c for d, c in enumerate(self._coordinate)]
+        return DeviceMesh._view(
+            self._root,
+            self._mesh[tuple(index)],
+            tuple(self._dim_names[d] for d in dims),
+            tuple(self._root_dims[d] for d in dims),
+            [self._dim_groups[d] for d in dims],
+        )
+
+    def _resolve_slice(self, wanted: tuple) -> tuple[int, ...]:
+        api = "DeviceMesh.__getitem__"
+        if self._dim_names is None:
+            raise RuntimeError(
+                f"{api}: this mesh has no mesh_dim_names, so it cannot be sliced by name. "
+                "Pass mesh_dim_names=... when building it."
+            )
+        if not wanted or not all(isinstance(n, str) for n in wanted):
+            raise TypeError(
+                f"{api}: mesh dim names must be one or more str, got {wanted!r}. "
+                f"Valid names: {self._dim_names}."
+            )
+        unknown = [n for n in wanted if n not in self._dim_names]
+        if unknown:
+            valid = list(self._dim_names) + sorted(self._root._flattened)
+            raise ValueError(f"{api}: unknown mesh dim name(s) {unknown!r}. Valid names: {valid}.")
+        repeated = sorted({n for n in wanted if wanted.count(n) > 1})
+        if repeated:
+            raise ValueError(
+                f"{api}: mesh dim name(s) {repeated!r} repeated in {wanted!r}. "
+                "Name each mesh dim once."
+            )
+        dims = tuple(self._dim_names.index(n) for n in wanted)
+        if list(dims) != sorted(dims):
+            in_order = tuple(n for n in self._dim_names if n in wanted)
+            raise ValueError(
+                f"{api}: mesh dim names must be in mesh order {self._dim_names}, got "
+                f"{wanted!r}. Use mesh[{in_order!r}] instead."
+            )
+        return dims
+
+    def flatten(self, name: str | None = None) -> DeviceMesh:
+        """A 1-D mesh over all ranks of this mesh, row-major; its groups are created once.
+
+        The result can later be fetched from the root mesh by name: ``root[name]``.
+
+        Example:
+            >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            >>> mesh.flatten("dp_tp").size()
+            4
+        """
+        if self.ndim == 1 and (name is None or name == (self._dim_names or (None,))[0]):
+            return self
+        if name is None:
+            name = "_".join(self._dim_names) if self._dim_names else None
+        root = self._root
+        if name is not None:
+            if not isinstance(name, str):
+                raise TypeError(f"DeviceMesh.flatten: name must be a str, got {name!r}.")
+            if name in root._flattened:
+                cached = root._flattened[name]
+                if cached._flat_of == self._root_dims:
+                    return cached
+                raise ValueError(
+                    f"DeviceMesh.flatten: name {name!r} already names a flattening of other "
+                    "mesh dims. Choose another name."
+                )
+            if root._dim_names and name in root._dim_names:
+                raise ValueError(
+                    f"DeviceMesh.flatten: name {name!r} is already a mesh dim name of "
+                    f"{root!r}. Choose another name."
+                )
+        flat = self._build_flat(name)
+        if name is not None:
+            root._flattened[name] = flat
+        return flat
+
+    def _build_flat(self, name: str | None) -> DeviceMesh:
+        root = self._root
+        others = [d for d in range(root.ndim) if d not in self._root_dims]
+        rows = root._mesh.permute(*others, *self._root_dims).reshape(-1, self.size())
+        mine = None
+        for row in rows.tolist():
+            group = _groups.get_group(tuple(row), self._backend)
+            if self._rank in row:
+                mine = group
+        flat_ranks = self._mesh.reshape(-1)
+        flat = DeviceMesh._view(root, flat_ranks, None if name is None else (name,), (), [mine])
+        flat._root = flat
+        flat._root_dims = (0,)
+        flat._flat_of = self._root_dims
+        # Slicing the root by the flat name must find this mesh.
+        flat._flattened = root._flattened
+        return flat
+
+    # ----------------------------------------------------------------------------- helpers
+    def _dim_index(self, mesh_dim: int | str, *, api: str) -> int:
+        if isinstance(mesh_dim, str):
+            if self._dim_names is None or mesh_dim not in self._dim_names:
+                raise ValueError(
+                    f"{api}: unknown mesh dim name {mesh_dim!r}. Valid names: "
+                    f"{list(self._dim_names or [])} (or an int below {self.ndim})."
+                )
+            return self._dim_names.index(mesh_dim)
+        if isinstance(mesh_dim, int) and not isinstance(mesh_dim, bool):
+            if -self.ndim <= mesh_dim < self.ndim:
+                return mesh_dim % self.ndim
+            raise ValueError(
+                f"{api}: mesh_dim must be in [{-self.ndim}, {self.ndim}), got {mesh_dim}. "
+                f"The mesh has shape {self.shape}."
+            )
+        raise TypeError(f"{api}: mesh_dim must be an int or a str, got {mesh_dim!r}.")
+
+    def _dim_or_only(self, mesh_dim, *, api: str) -> int:
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError(
+                    f"{api}: mesh_dim is required on a {self.ndim}-D mesh {self!r}, got None. "
+                    f"Pass one of {list(self._dim_names or range(self.ndim))}."
+                )
+            return 0
+        return self._dim_index(mesh_dim, api=api)
+
+    def _key(self):
+        return (
+            self._device_type,
+            self.shape,
+            tuple(self._mesh.reshape(-1).tolist()),
+            self._dim_names,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        return isinstance(other, DeviceMesh) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        names = f", mesh_dim_names={self._dim_names}" if self._dim_names else ""
+        return f"DeviceMesh({self._device_type!r}, {self._mesh.tolist()}{names})"
+
+    def __deepcopy__(self, memo) -> DeviceMesh:
+        # Meshes are immutable and hold process groups: copies share them.
+        return self
+
+    def __reduce__(self):
+        raise TypeError(
+            "DeviceMesh cannot be pickled: it holds process groups. Rebuild it with "
+            "init_device_mesh in the receiving process."
+        )
+
+
+def init_device_mesh(
+    device_type: str,
+    mesh_shape: tuple[int, ...],
+    *,
+    mesh_dim_names: tuple[str, ...] | None = None,
+) -> DeviceMesh:
+    """Build a mesh of ``mesh_shape`` over all ranks, row-major (rank r at cell r).
+
+    Initializes the default process group from the environment (``torchrun``) if needed.
+
+    Args:
+        device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL).
+        mesh_shape: size of every mesh dim; the product must equal the world size.
+        mesh_dim_names: one unique name per mesh dim.
+
+    Raises:
+        ValueError: the product of ``mesh_shape`` differs from the world size, a size is not
+            positive, or the names are wrong.
+
+    Example:
+        >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        >>> mesh["tp"].size()
+        2
+    """
+    api = "init_device_mesh"
+    _groups.backend_for(device_type, api=api)
+    if isinstance(mesh_shape, int):
+        mesh_shape = (mesh_shape,)
+    shape = tuple(mesh_shape)
+    if not shape or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape
+    ):
+        raise ValueError(
+            f"{api}: mesh_shape must be a non-empty tuple of positive ints, got {mesh_shape!r}."
+        )
+    _check_dim_names(mesh_dim_names, len(shape), api=api)
+    _groups.ensure_default_group(device_type)
+    world = dist.get_world_size()
+    if math.prod(shape) != world:
+        raise ValueError(
+            f"{api}: mesh_shape {shape} holds {math.prod(shape)} ranks but the world size is "
+            f"{world}. Pick a mesh_shape whose product is {world}."
+        )
+    return DeviceMesh(device_type, torch.arange(world).view(shape), mesh_dim_names=mesh_dim_names)
+
+
+# --------------------------------------------------------------------------- validation
+def _as_mesh_tensor(mesh) -> torch.Tensor:
+    try:
+        t = mesh.detach().cpu() if isinstance(mesh, torch.Tensor) else torch.tensor(mesh)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"DeviceMesh: mesh must be a tensor or nested list of ints, got {mesh!r} ({e})."
+        ) from None
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"DeviceMesh: mesh must hold integer ranks, got dtype {t.dtype}.")
+    if t.ndim == 0 or t.numel() == 0:
+        raise ValueError(
+            f"DeviceMesh: mesh must have at least one dim and one rank, got {t.tolist()!r}."
+        )
+    return t.to(torch.int64).contiguous()
+
+
+def _check_ranks(mesh: torch.Tensor, world: int) -> None:
+    flat = mesh.reshape(-1).tolist()
+    dupes = sorted({r for r in flat if flat.count(r) > 1})
+    if dupes:
+        raise ValueError(
+            f"DeviceMesh: mesh must list every rank once, got duplicate rank(s) {dupes} in "
+            f"{mesh.tolist()}. Give each rank exactly one cell."
+        )
+    if len(flat) != world:
+        raise ValueError(
+            f"DeviceMesh: mesh_shape {tuple(mesh.shape)} holds {len(flat)} ranks but the "
+            f"world size is {world}. Use a mesh with exactly {world} ranks."
+        )
+    bad = [r for r in flat if not 0 <= r < world]
+    if bad:
+        raise ValueError(
+            f"DeviceMesh: mesh ranks must lie in [0, {world}), got {bad}. Use ranks 0..{world - 1}."
+        )
+    # A process group orders its members by global rank; collectives rely on that order
+    # matching the mesh coordinate, so every slice must list its ranks in increasing order.
+    for d in range(mesh.ndim):
+        rows = mesh.movedim(d, -1).reshape(-1, mesh.size(d))
+        for row in rows.tolist():
+            if row != sorted(row):
+                raise NotImplementedError(
+                    f"DeviceMesh: ranks along mesh dim {d} must increase, got slice {row} in "
+                    f"{mesh.tolist()}. Reorder the mesh so that every slice is ascending "
+                    "(a transposed arange, e.g. torch.arange(n).view(a, b).T, is fine)."
+                )
+
+
+def _check_dim_names(names, ndim: int, *, api: str) -> tuple[str, ...] | None:
+    if names is None:
+        return None
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"{api}: mesh_dim_names must be a tuple of str, got {names!r}. "
+            "Write e.g. mesh_dim_names=('dp', 'tp')."
+        )
+    names = tuple(names)
+    if len(names) != ndim:
+        raise ValueError(
+            f"{api}: mesh_dim_names must have one name per mesh dim ({ndim}), got {names!r}."
+        )
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(
+            f"{api}: mesh_dim_names must be unique, got {names!r} (repeated: {repeated}). "
+            "Give every mesh dim its own name."
+        )
+    return names

@@ -1,0 +1,23 @@
+import logging
+
+import pytest
+
+from tests import harness
+
+logger = logging.getLogger(__name__)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _worker_pools():
+    """Start pools lazily; end every worker this session started when it ends."""
+    yield
+    harness.shutdown_all()
+
+
+def pytest_terminal_summary(terminalreporter):
+    s = harness.STATS
+    if s["pool_starts"]:
+        terminalreporter.write_line(
+            f"harness: {s['pool_starts']} worker pool start(s), "
+            f"{s['pool_start_seconds']:.1f}s spent starting worlds"
+        )
