@@ -1,0 +1,231 @@
+"""Building DTensors from full tensors, modules and factories."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dtensor import debug
+from dtensor._redistribute import local_chunk, replicate_to_partial
+from dtensor._spec import DTensorSpec, TensorMeta, contiguous_stride
+from dtensor.placement import (
+    Partial,
+    Shard,
+    chunk_sizes,
+    normalize_placements,
+    padded_chunk_size,
+)
+from dtensor.tensor import DTensor
+
+
+def distribute_tensor(
+    tensor: torch.Tensor, device_mesh=None, placements=None, *, src_data_rank: int | None = 0
+) -> DTensor:
+    """Split a full tensor over ``device_mesh`` according to ``placements``.
+
+    With ``src_data_rank=k`` (default 0) the data of the rank at index ``k`` of every mesh
+    dim is sent out (scatter for shards, broadcast for replicas), so other ranks' ``tensor``
+    contents do not matter, only its shape. With ``src_data_rank=None`` every rank slices
+    its own ``tensor`` (no communication; all ranks must hold the same data).
+
+    Returns a leaf DTensor with ``requires_grad`` copied from ``tensor``.
+
+    Raises:
+        ValueError: no mesh, wrong placements.
+
+    Example:
+        >>> dt = distribute_tensor(torch.randn(7, 5), mesh, [Shard(0)])   # 2 ranks: 4 + 3 rows
+    """
+    api = "distribute_tensor"
+    if device_mesh is None:
+        raise ValueError(f"{api}: device_mesh is required, got None. Pass the mesh.")
+    if isinstance(tensor, DTensor):
+        raise TypeError(f"{api}: tensor is already a DTensor; use tensor.redistribute(...).")
+    placements = normalize_placements(placements, device_mesh.ndim, tensor.ndim, api=api)
+    if src_data_rank is not None and not 0 <= src_data_rank < min(device_mesh.shape):
+        raise ValueError(
+            f"{api}: src_data_rank must be in [0, {min(device_mesh.shape)}) or "
+            f"None, got {src_data_rank!r}."
+        )
+    local = tensor.detach()
+    for mesh_dim, p in enumerate(placements):
+        if src_data_rank is None or device_mesh.size(mesh_dim) == 1:
+            if isinstance(p, Shard):
+                local = local_chunk(
+                    local, p.dim, device_mesh.size(mesh_dim), device_mesh.get_local_rank(mesh_dim)
+                )
+        elif isinstance(p, Shard):
+            local = _scatter(local, device_mesh, mesh_dim, p.dim, src_data_rank)
+        else:
+            local = _broadcast(local, device_mesh, mesh_dim, src_data_rank)
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Partial):
+            local = replicate_to_partial(local, p, device_mesh.get_local_rank(mesh_dim))
+    local = local.contiguous() if local is not tensor else local.clone()
+    spec = DTensorSpec(
+        device_mesh,
+        placements,
+        TensorMeta(tensor.shape, contiguous_stride(tensor.shape), tensor.dtype),
+    )
+    return DTensor(local, spec, requires_grad=tensor.requires_grad)
+
+
+def _broadcast(t, mesh, mesh_dim, src):
+    t = t.contiguous().clone()
+    group = mesh.get_group(mesh_dim)
+    debug.record("broadcast", mesh_dim, mesh.size(mesh_dim), t.numel() * t.element_size())
+    dist.broadcast(t, src=mesh.ranks_along(mesh_dim)[src], group=group)
+    return t
+
+
+def _scatter(t, mesh, mesh_dim, tensor_dim, src):
+    """Scatter ``torch.chunk`` pieces of ``t`` along ``tensor_dim`` from local rank ``src``."""
+    k = mesh.size(mesh_dim)
+    n = t.size(tensor_dim)
+    pad = padded_chunk_size(n, k)
+    sizes = chunk_sizes(n, k)
+    moved = t.movedim(tensor_dim, 0)
+    me = mesh.get_local_rank(mesh_dim)
+    out = moved.new_empty((pad, *moved.shape[1:]))
+    pieces = None
+    if me == src:
+        pieces, start = [], 0
+        for s in sizes:
+            piece = moved.narrow(0, start, s)
+            pieces.append(F.pad(piece, [0, 0] * (piece.ndim - 1) + [0, pad - s]).contiguous())
+            start += s
+    debug.record("scatter", mesh_dim, k, out.numel() * out.element_size())
+    dist.scatter(out, pieces, src=mesh.ranks_along(mesh_dim)[src], group=mesh.get_group(mesh_dim))
+    return out[: sizes[me]].movedim(0, tensor_dim).contiguous()
+
+
+def distribute_module(
+    module: nn.Module, device_mesh=None, partition_fn=None, input_fn=None, output_fn=None
+) -> nn.Module:
+    """Turn a module's parameters and buffers into DTensors and hook its inputs/outputs.
+
+    ``partition_fn(name, submodule, mesh)`` distributes each submodule's parameters as it
+    likes; parameters and buffers it leaves as plain tensors are replicated.
+    ``input_fn(module, inputs, mesh)`` and ``output_fn(module, outputs, mesh)`` become a
+    forward pre-hook and a forward hook.
+
+    Example:
+        >>> distribute_module(model, mesh)   # every parameter becomes a replicated DTensor
+    """
+    if device_mesh is None:
+        raise ValueError("distribute_module: device_mesh is required, got None.")
+    for name, sub in module.named_modules():
+        if partition_fn is not None:
+            partition_fn(name, sub, device_mesh)
+        for pname, p in list(sub.named_parameters(recurse=False)):
+            if p is not None and not isinstance(p, DTensor):
+                full = distribute_tensor(p.data, device_mesh, None)
+                sub.register_parameter(pname, nn.Parameter(full, p.requires_grad))
+        for bname, b in list(sub.named_buffers(recurse=False)):
+            if b is not None and not isinstance(b, DTensor):
+                sub._buffers[bname] = distribute_tensor(b, device_mesh, None)
+    if input_fn is not None:
+        module.register_forward_pre_hook(lambda m, inputs: input_fn(m, inputs, device_mesh))
+    if output_fn is not None:
+        module.register_forward_hook(lambda m, inputs, out: output_fn(m, out, device_mesh))
+    return module
+
+
+def _factory(fill, size, device_mesh, placements, dtype, requires_grad, api):
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    shape = torch.Size(size)
+    if device_mesh is None:
+        raise ValueError(f"{api}: device_mesh is required, got None.")
+    placements = normalize_placements(placements, device_mesh.ndim, len(shape), api=api)
+    if any(isinstance(p, Partial) for p in placements):
+        raise ValueError(
+            f"{api}: placements must be Shard or Replicate, got "
+            f"{placements}. Factories build known values, not partials."
+        )
+    dtype = dtype or torch.get_default_dtype()
+    spec = DTensorSpec(device_mesh, placements, TensorMeta(shape, contiguous_stride(shape), dtype))
+    local_shape, _ = spec.local_shape_and_offset()
+    local = fill(local_shape, dtype, spec)
+    return DTensor(local, spec, requires_grad=requires_grad)
+
+
+def zeros(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):
+    """A DTensor of zeros. Example: ``zeros(7, 5, device_mesh=mesh, placements=[Shard(0)])``."""
+    return _factory(
+        lambda s, d, _: torch.zeros(s, dtype=d),
+        size,
+        device_mesh,
+        placements,
+        dtype,
+        requires_grad,
+        "dtensor.zeros",
+    )
+
+
+def ones(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):
+    """A DTensor of ones. Example: ``ones(4, device_mesh=mesh)``."""
+    return _factory(
+        lambda s, d, _: torch.ones(s, dtype=d),
+        size,
+        device_mesh,
+        placements,
+        dtype,
+        requires_grad,
+        "dtensor.ones",
+    )
+
+
+def empty(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):
+    """An uninitialized DTensor. Example: ``empty(4, 4, device_mesh=mesh)``."""
+    return _factory(
+        lambda s, d, _: torch.empty(s, dtype=d),
+        size,
+        device_mesh,
+        placements,
+        dtype,
+        requires_grad,
+        "dtensor.empty",
+    )
+
+
+def full(size, fill_value, *, device_mesh=None, placements=None, dtype=None, requires_grad=False):
+    """A DTensor filled with ``fill_value``. Example: ``full((2, 3), 7.0, device_mesh=mesh)``."""
+    return _factory(
+        lambda s, d, _: torch.full(s, fill_value, dtype=d),
+        tuple(size),
+        device_mesh,
+        placements,
+        dtype,
+        requires_grad,
+        "dtensor.full",
+    )
+
+
+def _random(draw):
+    """Draw the full tensor from the (rank-identical) RNG stream and keep the local piece,
+    so the result equals ``torch.rand``/``torch.randn`` of the global shape in one process."""
+
+    def fill(local_shape, dtype, spec):
+        full_t = draw(tuple(spec.shape), dtype=dtype)
+        _, offset = spec.local_shape_and_offset()
+        idx = tuple(slice(o, o + s) for o, s in zip(offset, local_shape))
+        return full_t[idx].clone()
+
+    return fill
+
+
+def rand(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):
+    """Uniform [0, 1) values, equal to ``torch.rand(size)`` under the same seed."""
+    return _factory(
+        _random(torch.rand), size, device_mesh, placements, dtype, requires_grad, "dtensor.rand"
+    )
+
+
+def randn(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):
+    """Standard normal values, equal to ``torch.randn(size)`` under the same seed."""
+    return _factory(
+        _random(torch.randn), size, device_mesh, placements, dtype, requires_grad, "dtensor.randn"
+    )

@@ -1,0 +1,233 @@
+"""The ``__torch_dispatch__`` pipeline: validate, find the rule, redistribute, run, wrap.
+
+1. Flatten ``(args, kwargs)``; every DTensor becomes its spec. Plain tensors other than
+   one-element scalars are rejected (the caller forgot to distribute them).
+2. Run the op on meta tensors of the global shapes: that gives every output's global shape,
+   stride and dtype without communication.
+3. Ask the op's rule for output placements and any input redistribution. Steps 2-3 are
+   cached on the input specs and the non-tensor arguments.
+4. Redistribute inputs, run the op (or the rule's ``local_fn``) on local tensors, wrap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from dtensor import _ops  # noqa: F401  (registers the rules)
+from dtensor._ops._common import OpSchema, OutputSharding, find_rule
+from dtensor._spec import DTensorSpec, TensorMeta
+from dtensor.placement import format_placements
+from dtensor.tensor import DTensor, redistribute_dtensor
+
+logger = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+_CACHE: dict = {}
+_CACHE_LIMIT = 8192
+
+# Ops handled entirely by a function: fn(func, args, kwargs) -> result.
+CUSTOM: dict = {}
+
+
+def custom(*ops):
+    def deco(fn):
+        for op in ops:
+            CUSTOM[op] = fn
+        return fn
+
+    return deco
+
+
+def dispatch(func, args, kwargs):
+    handler = CUSTOM.get(func)
+    if handler is not None:
+        return handler(func, args, kwargs)
+    leaves, treespec = tree_flatten((args, kwargs))
+    _check_inputs(func, leaves)
+    key = _cache_key(func, leaves, treespec)
+    cached = _CACHE.get(key) if key is not None else None
+    if cached is None:
+        cached = _propagate(func, leaves, treespec)
+        if key is not None:
+            if len(_CACHE) > _CACHE_LIMIT:
+                _CACHE.clear()
+            _CACHE[key] = cached
+    sharding, out_meta = cached
+    return _run(func, args, leaves, treespec, sharding, out_meta)
+
+
+def _propagate(func, leaves, treespec):
+    # A distinct spec object per leaf, so rules can find a leaf by identity even when the
+    # same DTensor is passed twice (x * x).
+    spec_leaves = [dataclasses.replace(x._spec) if isinstance(x, DTensor) else x for x in leaves]
+    out_meta = _meta_outputs(func, leaves, treespec)
+    rule = find_rule(func)
+    args, kwargs = tree_unflatten(spec_leaves, treespec)
+    schema = OpSchema(func, args, kwargs, spec_leaves, out_meta)
+    if rule is None:
+        raise NotImplementedError(_no_rule_message(func, leaves))
+    sharding = rule(schema)
+    return sharding, out_meta
+
+
+def _run(func, args, leaves, treespec, sharding: OutputSharding, out_meta):
+    inplace = _is_inplace(func)
+    local_leaves = []
+    for i, x in enumerate(leaves):
+        if isinstance(x, DTensor):
+            want = sharding.input_placements.get(i)
+            if want is not None and tuple(want) != x.placements:
+                if inplace and i == 0:
+                    raise NotImplementedError(
+                        f"{func}: the in-place target has placements "
+                        f"{format_placements(x.placements)} but the op needs "
+                        f"{format_placements(want)}; use the out-of-place op instead."
+                    )
+                x = redistribute_dtensor(x, want)
+            x = x._local()
+        local_leaves.append(x)
+    local_args, local_kwargs = tree_unflatten(local_leaves, treespec)
+    out = (sharding.local_fn or func)(*local_args, **local_kwargs)
+    if inplace:
+        return args[0] if func._schema.returns else None
+    return _wrap(out, sharding, out_meta, leaves)
+
+
+def _wrap(out, sharding: OutputSharding, out_meta, leaves):
+    """Wrap local outputs; ``out_meta`` and the rule's placements align with its leaves."""
+    default_mesh = next(x for x in leaves if isinstance(x, DTensor)).device_mesh
+    meshes = sharding.output_meshes or [default_mesh] * len(out_meta)
+    flat, spec = tree_flatten(out)
+    wrapped = []
+    for j, item in enumerate(flat):
+        if isinstance(item, torch.Tensor):
+            meta = out_meta[j]
+            dspec = DTensorSpec(
+                meshes[j],
+                tuple(sharding.output_placements[j]),
+                TensorMeta(meta.shape, tuple(meta.stride()), meta.dtype),
+            )
+            item = DTensor(item, dspec, requires_grad=False)
+        wrapped.append(item)
+    return tree_unflatten(wrapped, spec)
+
+
+def _meta_outputs(func, leaves, treespec) -> list:
+    """The op run on meta tensors of the global shapes: one entry per output leaf."""
+
+    def to_meta(x):
+        if isinstance(x, torch.Tensor):
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+        return x
+
+    margs, mkwargs = tree_unflatten([to_meta(x) for x in leaves], treespec)
+    out = func(*margs, **mkwargs)
+    if _is_inplace(func):
+        return []
+    flat, _ = tree_flatten(out)
+    return [m if isinstance(m, torch.Tensor) else None for m in flat]
+
+
+def _is_inplace(func) -> bool:
+    schema = func._schema
+    if not schema.arguments:
+        return False
+    first = schema.arguments[0].alias_info
+    return bool(first is not None and first.is_write) and not schema.name.endswith("_out")
+
+
+def _check_inputs(func, leaves) -> None:
+    meshes = []
+    for x in leaves:
+        if isinstance(x, DTensor):
+            meshes.append(x.device_mesh)
+        elif isinstance(x, torch.Tensor) and x.numel() != 1 and x.device.type != "meta":
+            raise TypeError(
+                f"{func}: got a plain torch.Tensor of shape {tuple(x.shape)} mixed with "
+                "DTensors. Only one-element tensors may be mixed in; convert the tensor with "
+                "distribute_tensor(t, mesh, placements) or DTensor.from_local(...)."
+            )
+    if func.__name__.startswith("_foreach_"):
+        return  # tensors of different list positions may live on different meshes
+    first = meshes[0]
+    for m in meshes[1:]:
+        if m is not first and m != first:
+            raise ValueError(
+                f"{func}: all DTensor inputs must be on one mesh, got {first!r} and {m!r}. "
+                "Redistribute to a common mesh first (full_tensor() + distribute_tensor())."
+            )
+
+
+def _hashable(x):
+    if isinstance(x, DTensor):
+        return x._spec
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), x.dtype, x.device.type)
+    if isinstance(x, (list, tuple)):
+        return tuple(_hashable(v) for v in x)
+    return x
+
+
+def _cache_key(func, leaves, treespec):
+    key = (func, treespec, tuple(_hashable(x) for x in leaves))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _no_rule_message(func, leaves) -> str:
+    specs = [
+        f"{tuple(x.shape)} {format_placements(x.placements)}"
+        for x in leaves
+        if isinstance(x, DTensor)
+    ]
+    return (
+        f"DTensor has no sharding rule for {func} (inputs: {', '.join(specs)}). "
+        "Call full_tensor() and run the op on plain tensors, or add a rule in dtensor/_ops."
+    )
+
+
+# --------------------------------------------------------------------------- custom handlers
+@custom(aten.equal.default)
+def _equal(func, args, kwargs):
+    """Global equality: compare local pieces in a common layout, then agree over all ranks."""
+    from dtensor import _collectives as C
+    from dtensor.placement import Partial, Replicate
+
+    a, b = args[0], args[1]
+    if not (isinstance(a, DTensor) and isinstance(b, DTensor)):
+        raise TypeError(
+            f"{func}: both operands must be DTensors, got {type(a).__name__} and "
+            f"{type(b).__name__}."
+        )
+    _check_inputs(func, [a, b])
+    if a.shape != b.shape:
+        return False
+    target = tuple(Replicate() if isinstance(p, Partial) else p for p in a.placements)
+    a, b = redistribute_dtensor(a, target), redistribute_dtensor(b, target)
+    flag = torch.tensor([1 if torch.equal(a._local(), b._local()) else 0])
+    mesh = a.device_mesh
+    for mesh_dim in range(mesh.ndim):
+        flag = C.all_reduce(flag, mesh, mesh_dim, Partial("min")).wait()
+    return bool(flag.item())
+
+
+@custom(aten._local_scalar_dense.default)
+def _item(func, args, kwargs):
+    """``.item()``: the global value, replicated first if needed."""
+    from dtensor.placement import Replicate
+
+    x = args[0]
+    x = redistribute_dtensor(x, (Replicate(),) * x.device_mesh.ndim)
+    return func(x._local())
+
+
+@custom(aten.is_same_size.default)
+def _is_same_size(func, args, kwargs):
+    return tuple(args[0].shape) == tuple(args[1].shape)

@@ -1,0 +1,223 @@
+"""Pointwise ops (unary, binary with broadcasting, in-place) and their ``_foreach_`` forms.
+
+Per mesh dim the output placement is chosen, then every input is asked for the placement
+that produces it:
+
+- a ``Partial`` survives only ops that are linear in it: ``a + b`` with both partial alike,
+  ``a * r`` / ``a / r`` with ``r`` replicated or a python number, ``-a``. Anything else
+  reduces the partial first (all-reduce or reduce-scatter).
+- otherwise the first input sharded on a dim that is not broadcast decides ``Shard(d)``,
+  and inputs that broadcast along ``d`` are replicated;
+- in-place ops keep the target's placements (the target is never redistributed).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtensor._ops._common import OpSchema, OutputSharding, map_to, register
+from dtensor._spec import DTensorSpec
+from dtensor.placement import Partial, Replicate, Shard
+
+aten = torch.ops.aten
+
+_UNARY = """abs acos acosh asin asinh atan atanh bitwise_not ceil cos cosh erf erfc erfinv exp
+exp2 expm1 floor frac isfinite isinf isnan isneginf isposinf log log10 log1p log2
+logical_not neg nan_to_num reciprocal relu round rsqrt sigmoid sign sgn silu gelu sin sinh
+sqrt square tan tanh trunc clamp clamp_min clamp_max hardtanh leaky_relu elu mish softplus
+pow logit fill zero zeros_like ones_like empty_like full_like copy
+""".split()
+_BINARY = """add sub rsub mul div true_divide floor_divide remainder fmod maximum minimum atan2
+eq ne lt le gt ge logical_and logical_or logical_xor bitwise_and bitwise_or bitwise_xor
+lerp addcmul addcdiv where masked_fill threshold_backward gelu_backward silu_backward
+sigmoid_backward tanh_backward hardtanh_backward leaky_relu_backward copysign xlogy hypot
+""".split()
+
+# linearity of an op in its (single) partial operand
+_ADD_LIKE = {
+    "add",
+    "sub",
+    "add_",
+    "sub_",
+    "_foreach_add",
+    "_foreach_add_",
+    "_foreach_sub",
+    "_foreach_sub_",
+}
+_MUL_LIKE = {
+    "mul",
+    "div",
+    "mul_",
+    "div_",
+    "_foreach_mul",
+    "_foreach_mul_",
+    "_foreach_div",
+    "_foreach_div_",
+}
+_NEG_LIKE = {"neg", "neg_", "_foreach_neg", "_foreach_neg_"}
+_LIKE = {"zeros_like", "ones_like", "empty_like", "full_like"}
+
+
+def _keeps_partial(name: str, operands: list, partial_mesh_dim: int, partial) -> bool:
+    """Whether op ``name`` applied to ``operands`` (specs or numbers) stays ``partial``.
+
+    ``operands`` are the values in argument order, with DTensorSpecs in place of DTensors.
+    """
+    if not getattr(partial, "is_linear", False):
+        return False
+    specs = [o for o in operands if isinstance(o, DTensorSpec)]
+    others = [o for o in operands if not isinstance(o, DTensorSpec)]
+    pl = [s.placements[partial_mesh_dim] for s in specs]
+    if name in _NEG_LIKE:
+        return len(specs) == 1
+    if name in _ADD_LIKE:
+        return not others and all(p == partial for p in pl)
+    if name in _MUL_LIKE:
+        n_partial = sum(p == partial for p in pl)
+        if n_partial != 1 or not all(p == partial or isinstance(p, Replicate) for p in pl):
+            return False
+        if name.startswith("div") or name.startswith("_foreach_div"):
+            return (
+                operands
+                and operands[0] is not None
+                and isinstance(operands[0], DTensorSpec)
+                and operands[0].placements[partial_mesh_dim] == partial
+            )
+        return True
+    return False
+
+
+def _decide(name: str, operands: list, out_shape, *, inplace: bool):
+    """Output placements and per-spec input placements for one pointwise application."""
+    specs = [o for o in operands if isinstance(o, DTensorSpec)]
+    mesh_ndim = specs[0].mesh.ndim
+    out_ndim = len(out_shape)
+    out = []
+    for i in range(mesh_ndim):
+        ps = [s.placements[i] for s in specs]
+        if inplace:
+            p_out = ps[0]
+            if isinstance(p_out, Partial) and not _keeps_partial(name, operands, i, p_out):
+                raise NotImplementedError(
+                    f"{name}: in-place op on a Partial DTensor (mesh dim {i}) would need a "
+                    "reduction first; reduce it with redistribute(placements=[Replicate()]) "
+                    "or use the out-of-place op."
+                )
+            if isinstance(p_out, Shard) and len(specs[0].shape) != out_ndim:
+                p_out = Shard(p_out.dim + out_ndim - len(specs[0].shape))
+        else:
+            p_out = None
+            partials = [p for p in ps if isinstance(p, Partial)]
+            if partials and _keeps_partial(name, operands, i, partials[0]):
+                p_out = partials[0]
+            if p_out is None:
+                for s, p in zip(specs, ps):
+                    if isinstance(p, Shard):
+                        od = p.dim + out_ndim - s.ndim
+                        if s.shape[p.dim] == out_shape[od]:
+                            p_out = Shard(od)
+                            break
+            if p_out is None:
+                p_out = Replicate()
+        if name.rstrip("_") in _LIKE and isinstance(p_out, Partial):
+            p_out = Replicate()  # a fresh tensor: its value is not a partial of anything
+        out.append(p_out)
+    needs = []
+    for s in specs:
+        need = []
+        for i, p_out in enumerate(out):
+            if isinstance(p_out, Partial):
+                need.append(s.placements[i] if s.placements[i] == p_out else Replicate())
+            elif name.rstrip("_") in _LIKE:
+                p = s.placements[i]
+                need.append(Replicate() if isinstance(p, Partial) else p)
+            else:
+                need.append(map_to(p_out, out_ndim, tuple(s.shape), tuple(out_shape)))
+        needs.append(tuple(need))
+    return tuple(out), needs
+
+
+def _operands(schema: OpSchema) -> list:
+    return [a for a in schema.args if not isinstance(a, (list, tuple))] + [
+        v
+        for k, v in schema.kwargs.items()
+        if k not in ("alpha", "dtype", "memory_format", "layout", "device", "pin_memory")
+        and isinstance(v, DTensorSpec)
+    ]
+
+
+def pointwise_rule(schema: OpSchema) -> OutputSharding:
+    name = schema.func.__name__.split(".")[0]
+    inplace = name.endswith("_") and not name.startswith("_")
+    operands = _operands(schema)
+    if inplace:
+        out_shape = operands[0].shape
+    else:
+        out_shape = next(m.shape for m in schema.out_meta if m is not None)
+    out, needs = _decide(name, operands, out_shape, inplace=inplace)
+    specs = [o for o in operands if isinstance(o, DTensorSpec)]
+    inputs = {schema.leaf_index(s): n for s, n in zip(specs, needs)}
+    n_out = len(schema.out_meta)
+    return OutputSharding(
+        [out if m is not None else None for m in schema.out_meta] if n_out else [], inputs
+    )
+
+
+for _name in _UNARY + _BINARY:
+    for _n in (_name, _name + "_"):
+        _op = getattr(aten, _n, None)
+        if _op is not None:
+            register(_op)(pointwise_rule)
+
+
+@register("_foreach_")
+def foreach_rule(schema: OpSchema) -> OutputSharding:
+    """``_foreach_op(list, list | scalar | scalars, ...)``: the pointwise rule per position."""
+    name = schema.func.__name__.split(".")[0]
+    inplace = name.endswith("_")
+    lists = [a for a in schema.args if isinstance(a, (list, tuple))]
+    n = len(lists[0])
+    outs, meshes, inputs = [], [], {}
+    for j in range(n):
+        operands = []
+        for a in schema.args:
+            if isinstance(a, (list, tuple)):
+                operands.append(a[j] if len(a) == n else None)
+            else:
+                operands.append(a)
+        specs = [o for o in operands if isinstance(o, DTensorSpec)]
+        if not specs:
+            outs.append(None)
+            meshes.append(None)
+            continue
+        _check_same_mesh(name, specs, j)
+        out_shape = specs[0].shape if inplace else schema.out_meta[j].shape
+        out, needs = _decide(name, operands, out_shape, inplace=inplace)
+        for s, need in zip(specs, needs):
+            idx = _leaf_index_at(schema, s, j)
+            prev = inputs.get(idx)
+            if prev is not None and prev != need:
+                raise NotImplementedError(f"{name}: conflicting placements for a shared input")
+            inputs[idx] = need
+        outs.append(out)
+        meshes.append(specs[0].mesh)
+    if inplace:
+        return OutputSharding([], inputs)
+    return OutputSharding(outs, inputs, output_meshes=meshes)
+
+
+def _leaf_index_at(schema: OpSchema, spec, j) -> int:
+    for i, x in enumerate(schema.leaves):
+        if x is spec:
+            return i
+    raise AssertionError(f"foreach: spec {j} not found among leaves")
+
+
+def _check_same_mesh(name, specs, j):
+    first = specs[0].mesh
+    for s in specs[1:]:
+        if s.mesh != first:
+            raise ValueError(
+                f"{name}: list position {j} mixes meshes {first!r} and {s.mesh!r}. Tensors "
+                "combined elementwise must share a mesh."
+            )

@@ -1,0 +1,235 @@
+"""View and shape ops: t, transpose, permute, view/reshape, unsqueeze/squeeze, expand,
+slice/select/split, and the like.
+
+A shard survives a view when every rank's local block maps onto the same block of the
+output. For ``view`` that is checked exactly: the chunk sizes of the first input dim of a
+merged/split group, times the rest of the group, must equal those of the first output dim
+times its rest, for every rank (``(B, T, C) -> (B*T, C)`` sharded on ``B`` works when ``B``
+divides evenly, and is gathered first when it does not). Local shape arguments are
+recomputed from the output's global shape and placements.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dtensor._ops._common import OpSchema, OutputSharding, register
+from dtensor.placement import Replicate, Shard, chunk_sizes, local_shape_and_offset
+
+aten = torch.ops.aten
+
+
+def _per_dim(schema: OpSchema, spec, dim_map, *, gather_dims=(), extra_local=None):
+    """Placements through a dim mapping ``dim_map[in_dim] -> out_dim | None``."""
+    out, need = [], []
+    for p in spec.placements:
+        if isinstance(p, Shard) and (p.dim in gather_dims or dim_map.get(p.dim) is None):
+            out.append(Replicate())
+            need.append(Replicate())
+        elif isinstance(p, Shard):
+            out.append(Shard(dim_map[p.dim]))
+            need.append(p)
+        else:
+            out.append(p)
+            need.append(p)
+    return tuple(out), tuple(need)
+
+
+def _simple(schema, dim_map, gather_dims=(), n_out=1):
+    spec = schema.args[0]
+    out, need = _per_dim(schema, spec, dim_map, gather_dims=gather_dims)
+    return OutputSharding([out] * n_out, {schema.leaf_index(spec): need})
+
+
+@register(aten.t.default)
+def t_rule(schema):
+    nd = schema.args[0].ndim
+    return _simple(schema, {0: 1, 1: 0} if nd == 2 else {0: 0})
+
+
+@register(aten.transpose.int)
+def transpose_rule(schema):
+    spec, d0, d1 = schema.args[0], schema.args[1], schema.args[2]
+    nd = max(spec.ndim, 1)
+    d0, d1 = d0 % nd, d1 % nd
+    m = {d: d for d in range(spec.ndim)}
+    m[d0], m[d1] = d1, d0
+    return _simple(schema, m)
+
+
+@register(aten.permute.default)
+def permute_rule(schema):
+    spec, dims = schema.args[0], schema.args[1]
+    nd = max(spec.ndim, 1)
+    return _simple(schema, {d % nd: i for i, d in enumerate(dims)})
+
+
+@register(aten.unsqueeze.default)
+def unsqueeze_rule(schema):
+    spec, dim = schema.args[0], schema.args[1]
+    dim = dim % (spec.ndim + 1)
+    return _simple(schema, {d: d + (d >= dim) for d in range(spec.ndim)})
+
+
+@register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def squeeze_rule(schema):
+    spec = schema.args[0]
+    if schema.func is aten.squeeze.default:
+        dims = [d for d in range(spec.ndim) if spec.shape[d] == 1]
+    else:
+        dims = schema.args[1]
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        dims = [d % max(spec.ndim, 1) for d in dims if spec.shape[d % max(spec.ndim, 1)] == 1]
+    m = {d: d - sum(1 for s in dims if s < d) for d in range(spec.ndim) if d not in dims}
+    return _simple(schema, m, gather_dims=dims)
+
+
+def _local_shape_fn(func, out_shape, out_placements, mesh, arg_index=1):
+    local_shape, _ = local_shape_and_offset(
+        out_shape, mesh.shape, mesh.get_coordinate(), out_placements
+    )
+
+    def local_fn(x, *args, **kwargs):
+        args = list(args)
+        args[arg_index - 1] = list(local_shape)
+        return func(x, *args, **kwargs)
+
+    return local_fn
+
+
+@register(aten.expand.default)
+def expand_rule(schema):
+    spec = schema.args[0]
+    out_shape = tuple(schema.out_meta[0].shape)
+    lead = len(out_shape) - spec.ndim
+    m = {d: d + lead for d in range(spec.ndim) if spec.shape[d] == out_shape[d + lead]}
+    out, need = _per_dim(schema, spec, m)
+    fn = _local_shape_fn(schema.func, out_shape, out, spec.mesh)
+    return OutputSharding([out], {schema.leaf_index(spec): need}, fn)
+
+
+def reshape_groups(in_shape, out_shape):
+    """Split two shapes of equal numel into groups of dims with equal products.
+
+    Size-1 dims form groups of their own (with no partner). Pure.
+
+    Example:
+        >>> reshape_groups((2, 3, 4), (6, 4))
+        [([0, 1], [0]), ([2], [1])]
+    """
+    ni, no = len(in_shape), len(out_shape)
+    if 0 in in_shape or 0 in out_shape:
+        return [(list(range(ni)), list(range(no)))]
+    groups, i, o = [], 0, 0
+    while i < ni or o < no:
+        if i < ni and o < no and in_shape[i] == 1 and out_shape[o] == 1:
+            groups.append(([i], [o]))
+            i, o = i + 1, o + 1
+        elif i < ni and in_shape[i] == 1:
+            groups.append(([i], []))
+            i += 1
+        elif o < no and out_shape[o] == 1:
+            groups.append(([], [o]))
+            o += 1
+        else:
+            gi, go, pi, po = [i], [o], in_shape[i], out_shape[o]
+            i, o = i + 1, o + 1
+            while pi != po:
+                if pi < po:
+                    pi *= in_shape[i]
+                    gi.append(i)
+                    i += 1
+                else:
+                    po *= out_shape[o]
+                    go.append(o)
+                    o += 1
+            groups.append((gi, go))
+    return groups
+
+
+def view_placements(in_shape, out_shape, placements, mesh_shape):
+    """(out placements, needed input placements) for a view/reshape. Pure."""
+    groups = reshape_groups(tuple(in_shape), tuple(out_shape))
+    group_of = {d: g for g in groups for d in g[0]}
+    counts = {}
+    for p in placements:
+        if isinstance(p, Shard):
+            counts[p.dim] = counts.get(p.dim, 0) + 1
+    out, need = [], []
+    for mesh_dim, p in enumerate(placements):
+        if not isinstance(p, Shard):
+            out.append(p)
+            need.append(p)
+            continue
+        gi, go = group_of[p.dim]
+        trivial = len(gi) == 1 and len(go) == 1
+        ok = bool(go) and gi[0] == p.dim and (trivial or counts[p.dim] == 1)
+        if ok and not trivial:
+            k = mesh_shape[mesh_dim]
+            rest_in = math.prod(in_shape[d] for d in gi[1:])
+            rest_out = math.prod(out_shape[d] for d in go[1:])
+            ok = [c * rest_in for c in chunk_sizes(in_shape[gi[0]], k)] == [
+                c * rest_out for c in chunk_sizes(out_shape[go[0]], k)
+            ]
+        if ok:
+            out.append(Shard(go[0]))
+            need.append(p)
+        else:
+            out.append(Replicate())
+            need.append(Replicate())
+    return tuple(out), tuple(need)
+
+
+@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def view_rule(schema):
+    spec = schema.args[0]
+    out_shape = tuple(schema.out_meta[0].shape)
+    out, need = view_placements(tuple(spec.shape), out_shape, spec.placements, spec.mesh.shape)
+    fn = _local_shape_fn(schema.func, out_shape, out, spec.mesh)
+    return OutputSharding([out], {schema.leaf_index(spec): need}, fn)
+
+
+def _dim_arg(schema, pos, default=0):
+    spec = schema.args[0]
+    d = schema.args[pos] if len(schema.args) > pos else schema.kwargs.get("dim", default)
+    return d % max(spec.ndim, 1)
+
+
+@register(aten.slice.Tensor)
+def slice_rule(schema):
+    spec = schema.args[0]
+    dim = _dim_arg(schema, 1)
+    return _simple(schema, {d: d for d in range(spec.ndim)}, gather_dims=(dim,))
+
+
+@register(aten.select.int)
+def select_rule(schema):
+    spec = schema.args[0]
+    dim = _dim_arg(schema, 1)
+    m = {d: d - (d > dim) for d in range(spec.ndim) if d != dim}
+    return _simple(schema, m, gather_dims=(dim,))
+
+
+@register(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default)
+def split_rule(schema):
+    spec = schema.args[0]
+    dim = _dim_arg(schema, 2 if schema.func is not aten.unbind.int else 1)
+    if schema.func is aten.unbind.int:
+        m = {d: d - (d > dim) for d in range(spec.ndim) if d != dim}
+    else:
+        m = {d: d for d in range(spec.ndim)}
+    return _simple(schema, m, gather_dims=(dim,), n_out=len(schema.out_meta))
+
+
+@register(
+    aten.alias.default,
+    aten.detach.default,
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.lift_fresh.default,
+)
+def identity_rule(schema):
+    spec = schema.args[0]
+    return OutputSharding([spec.placements], {})

@@ -1,0 +1,170 @@
+"""Redistribution: a pure planner (placements in, list of steps out) and its executor.
+
+[Note: nested shards] When several mesh dims shard the same tensor dim, they nest in mesh-dim
+order: mesh dim 0 takes its ``torch.chunk`` first and mesh dim 1 splits that chunk again. A
+tensor dim's *shard sequence* is the list of mesh dims sharding it, outermost first. Only a
+common prefix of the source and target sequences can stay; the rest is gathered innermost
+first, then the target's remaining shards are added outermost first.
+
+The plan, in order:
+1. ``Shard(a) -> Shard(b)`` on a mesh dim that alone shards both dims: one all-to-all.
+2. Gather every shard beyond the common prefix (all-gather, innermost first).
+3. ``Partial`` that must become ``Replicate`` (or a shard that cannot be added yet): all-reduce.
+4. Add target shards outermost first: a local slice from ``Replicate``, a reduce-scatter
+   from ``Partial``.
+5. ``Replicate -> Partial`` (internal use only): keep the value on one rank, zero elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dtensor import _collectives as C
+from dtensor.placement import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    chunk_offsets,
+    chunk_sizes,
+    local_shape_and_offset,
+)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One transition on one mesh dim. ``kind`` is one of ``all_gather``, ``all_to_all``,
+    ``all_reduce``, ``reduce_scatter``, ``slice``, ``to_partial``."""
+
+    kind: str
+    mesh_dim: int
+    src: Placement
+    dst: Placement
+
+
+def _shard_seq(placements, tensor_dim: int) -> list[int]:
+    return [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == tensor_dim]
+
+
+def plan_redistribute(src, dst) -> list[Step]:
+    """Steps that turn placements ``src`` into ``dst`` (same mesh). Pure.
+
+    Example:
+        >>> [s.kind for s in plan_redistribute((Shard(0),), (Replicate(),))]
+        ['all_gather']
+    """
+    cur = list(src)
+    steps: list[Step] = []
+
+    def move(kind, i, new):
+        steps.append(Step(kind, i, cur[i], new))
+        cur[i] = new
+
+    tensor_dims = {p.dim for p in (*src, *dst) if isinstance(p, Shard)}
+    # 1. one all-to-all where a mesh dim alone moves its shard to another tensor dim
+    for i, (s, d) in enumerate(zip(src, dst)):
+        if isinstance(s, Shard) and isinstance(d, Shard) and s.dim != d.dim:
+            if (
+                _shard_seq(cur, s.dim) == [i]
+                and _shard_seq(dst, d.dim) == [i]
+                and not _shard_seq(cur, d.dim)
+                and not _shard_seq(dst, s.dim)
+            ):
+                move("all_to_all", i, d)
+    # 2. gather shards beyond the common prefix, innermost first
+    for tdim in sorted(tensor_dims):
+        have, want = _shard_seq(cur, tdim), _shard_seq(dst, tdim)
+        keep = 0
+        while keep < min(len(have), len(want)) and have[keep] == want[keep]:
+            keep += 1
+        for i in reversed(have[keep:]):
+            move("all_gather", i, Replicate())
+    # 3. partials that cannot stay
+    for i, (c, d) in enumerate(zip(cur, dst)):
+        if isinstance(c, Partial) and c != d:
+            if isinstance(d, Shard) and _can_append_shard(cur, dst, i, d.dim):
+                continue  # becomes a reduce-scatter in step 4
+            move("all_reduce", i, Replicate())
+    # 4. add target shards outermost first
+    for tdim in sorted(tensor_dims):
+        for i in _shard_seq(dst, tdim):
+            if cur[i] != dst[i]:
+                move("reduce_scatter" if isinstance(cur[i], Partial) else "slice", i, dst[i])
+    # 5. replicate -> partial
+    for i, (c, d) in enumerate(zip(cur, dst)):
+        if c != d:
+            if not (isinstance(c, Replicate) and isinstance(d, Partial)):
+                raise AssertionError(f"redistribute planner: cannot move {c} to {d}")
+            move("to_partial", i, d)
+    return steps
+
+
+def _can_append_shard(cur, dst, mesh_dim: int, tensor_dim: int) -> bool:
+    """Whether a reduce-scatter on ``mesh_dim`` would put its shard in the target's order."""
+    have, want = _shard_seq(cur, tensor_dim), _shard_seq(dst, tensor_dim)
+    return want[: len(have)] == have and len(want) > len(have) and want[len(have)] == mesh_dim
+
+
+def redistribute_local(local: torch.Tensor, spec, dst_placements, *, async_op=False):
+    """Run the plan from ``spec.placements`` to ``dst_placements`` on ``local``.
+
+    Returns a ``Pending``; all but the last collective finish before returning.
+    """
+    steps = plan_redistribute(spec.placements, dst_placements)
+    cur = list(spec.placements)
+    result = C.Pending.ready(local)
+    for n, step in enumerate(steps):
+        last = n == len(steps) - 1
+        result = _run_step(result.wait(), step, cur, spec, async_op=async_op and last)
+        cur[step.mesh_dim] = step.dst
+    return result
+
+
+def _dim_size_without(spec, cur, mesh_dim: int, tensor_dim: int) -> int:
+    """Size of ``tensor_dim`` on this rank if ``mesh_dim`` did not shard it."""
+    placements = list(cur)
+    placements[mesh_dim] = Replicate()
+    shape, _ = local_shape_and_offset(
+        spec.shape, spec.mesh.shape, spec.mesh.get_coordinate(), placements
+    )
+    return shape[tensor_dim]
+
+
+def _run_step(local, step: Step, cur, spec, *, async_op: bool):
+    mesh, i = spec.mesh, step.mesh_dim
+    if step.kind == "all_gather":
+        full = _dim_size_without(spec, cur, i, step.src.dim)
+        return C.all_gather(local, mesh, i, step.src.dim, full, async_op=async_op)
+    if step.kind == "all_to_all":
+        full_from = _dim_size_without(spec, cur, i, step.src.dim)
+        full_to = local.size(step.dst.dim)
+        return C.all_to_all(
+            local, mesh, i, step.src.dim, step.dst.dim, full_from, full_to, async_op=async_op
+        )
+    if step.kind == "all_reduce":
+        return C.all_reduce(local, mesh, i, step.src, async_op=async_op)
+    if step.kind == "reduce_scatter":
+        return C.reduce_scatter(local, mesh, i, step.dst.dim, step.src, async_op=async_op)
+    if step.kind == "slice":
+        return C.Pending.ready(
+            local_chunk(local, step.dst.dim, mesh.size(i), mesh.get_local_rank(i))
+        )
+    if step.kind == "to_partial":
+        return C.Pending.ready(replicate_to_partial(local, step.dst, mesh.get_local_rank(i)))
+    raise AssertionError(f"unknown redistribute step {step}")
+
+
+def local_chunk(t: torch.Tensor, tensor_dim: int, num_chunks: int, index: int) -> torch.Tensor:
+    """This rank's ``torch.chunk`` piece of ``t`` along ``tensor_dim`` (a copy)."""
+    n = t.size(tensor_dim)
+    start = chunk_offsets(n, num_chunks)[index]
+    return t.narrow(tensor_dim, start, chunk_sizes(n, num_chunks)[index]).clone()
+
+
+def replicate_to_partial(t: torch.Tensor, partial: Partial, local_rank: int) -> torch.Tensor:
+    """Split a replicated value into partials whose reduction gives it back."""
+    if partial.reduce_op == "sum" and local_rank != 0:
+        return torch.zeros_like(t)
+    return t.clone()

@@ -1,0 +1,65 @@
+"""DTensorSpec: everything about a DTensor except its local data (hashable, for caches)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from device_mesh import DeviceMesh
+from dtensor.placement import Placement, Shard, format_placements, local_shape_and_offset
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Global shape, stride and dtype of a DTensor."""
+
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class DTensorSpec:
+    """Where a DTensor lives (mesh), how it is laid out (placements) and its global meta."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    meta: TensorMeta
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.meta.shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.meta.shape)
+
+    def shard_dims(self) -> dict[int, list[int]]:
+        """{tensor dim: [mesh dims sharding it, in mesh order]}."""
+        out: dict[int, list[int]] = {}
+        for mesh_dim, p in enumerate(self.placements):
+            if isinstance(p, Shard):
+                out.setdefault(p.dim, []).append(mesh_dim)
+        return out
+
+    def is_replicated(self) -> bool:
+        return all(p.is_replicate() for p in self.placements)
+
+    def local_shape_and_offset(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        coord = self.mesh.get_coordinate()
+        return local_shape_and_offset(self.shape, self.mesh.shape, coord, self.placements)
+
+    def with_placements(self, placements) -> DTensorSpec:
+        return DTensorSpec(self.mesh, tuple(placements), self.meta)
+
+    def __str__(self) -> str:
+        return f"{tuple(self.shape)} {self.meta.dtype} {format_placements(self.placements)}"
+
+
+def contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))

@@ -1,0 +1,267 @@
+"""Placements (how a tensor is laid out over one mesh dim) and the pure chunk maths behind them.
+
+Sharding follows ``torch.chunk``: a tensor dim of size ``n`` split over ``k`` ranks gives
+every rank ``ceil(n / k)`` entries except the last ones, which may get fewer or none. For
+collectives that need equal sizes, shards are padded up to ``ceil(n / k)`` (the *padded
+shard size*); the padded full size is ``ceil(n / k) * k``.
+
+Nothing here talks to a process group.
+"""
+
+from __future__ import annotations
+
+_REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+class Placement:
+    """Base class of ``Shard``, ``Replicate`` and ``Partial``; instances are immutable."""
+
+    __slots__ = ()
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return False
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def is_partial(self) -> bool:
+        return False
+
+
+class Shard(Placement):
+    """The tensor is split along tensor dim ``dim`` over the mesh dim, ``torch.chunk`` style.
+
+    Example:
+        >>> Shard(0).local_size(7, num_chunks=4, index=3)   # chunks of 7 rows: 2, 2, 2, 1
+        1
+    """
+
+    __slots__ = ("dim",)
+
+    def __init__(self, dim: int) -> None:
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise TypeError(f"Shard: dim must be an int, got {dim!r}.")
+        object.__setattr__(self, "dim", dim)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Shard is immutable")
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def normalized(self, ndim: int, *, api: str = "Shard") -> Shard:
+        """This placement with a non-negative dim for a tensor of ``ndim`` dims."""
+        if not -ndim <= self.dim < max(ndim, 1) or ndim == 0:
+            raise ValueError(
+                f"{api}: Shard(dim={self.dim}) is out of range for a tensor with {ndim} dims. "
+                f"Pick a dim in [{-ndim}, {ndim})."
+            )
+        return self if self.dim >= 0 else Shard(self.dim + ndim)
+
+    @staticmethod
+    def local_size(size: int, num_chunks: int, index: int) -> int:
+        return chunk_sizes(size, num_chunks)[index]
+
+    def __eq__(self, other):
+        return isinstance(other, Shard) and other.dim == self.dim
+
+    def __hash__(self):
+        return hash(("Shard", self.dim))
+
+    def __repr__(self):
+        return f"Shard(dim={self.dim})"
+
+    def __str__(self):
+        return f"S({self.dim})"
+
+
+class Replicate(Placement):
+    """Every rank of the mesh dim holds the whole tensor."""
+
+    __slots__ = ()
+
+    def is_replicate(self) -> bool:
+        return True
+
+    def __eq__(self, other):
+        return isinstance(other, Replicate)
+
+    def __hash__(self):
+        return hash("Replicate")
+
+    def __repr__(self):
+        return "Replicate()"
+
+    def __str__(self):
+        return "R"
+
+
+class Partial(Placement):
+    """Every rank holds a partial value; the tensor is their reduction (``reduce_op``).
+
+    Args:
+        reduce_op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
+
+    Example:
+        >>> str(Partial())
+        'P(sum)'
+    """
+
+    __slots__ = ("reduce_op",)
+
+    def __init__(self, reduce_op: str = "sum") -> None:
+        if reduce_op not in self._valid_ops():
+            raise ValueError(
+                f"Partial: reduce_op must be one of {self._valid_ops()}, got {reduce_op!r}."
+            )
+        object.__setattr__(self, "reduce_op", reduce_op)
+
+    @classmethod
+    def _valid_ops(cls) -> tuple[str, ...]:
+        return _REDUCE_OPS
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Partial is immutable")
+
+    def is_partial(self) -> bool:
+        return True
+
+    @property
+    def is_linear(self) -> bool:
+        """True when the reduction is a (scaled) sum, so linear ops may act on partials."""
+        return self.reduce_op in ("sum", "avg")
+
+    def __eq__(self, other):
+        return type(other) is type(self) and other.reduce_op == self.reduce_op
+
+    def __hash__(self):
+        return hash((type(self).__name__, self.reduce_op))
+
+    def __repr__(self):
+        return f"Partial({self.reduce_op!r})"
+
+    def __str__(self):
+        return f"P({self.reduce_op})"
+
+
+class NormPartial(Partial):
+    """Partial p-norms: the tensor is the p-norm of the per-rank values.
+
+    Produced by norm reductions over a sharded dim, so that a norm of norms (what
+    ``clip_grad_norm_`` computes) stays exact: ``||(||a||, ||b||)||_p == ||(a, b)||_p``.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, norm_type: float = 2.0) -> None:
+        object.__setattr__(self, "reduce_op", float(norm_type))
+
+    @classmethod
+    def _valid_ops(cls):
+        return ()
+
+    @property
+    def norm_type(self) -> float:
+        return self.reduce_op
+
+    @property
+    def is_linear(self) -> bool:
+        return False
+
+    def __repr__(self):
+        return f"NormPartial({self.reduce_op})"
+
+    def __str__(self):
+        return f"P(norm{self.reduce_op:g})"
+
+
+# --------------------------------------------------------------------------- chunk maths
+def chunk_sizes(size: int, num_chunks: int) -> list[int]:
+    """Sizes of the ``num_chunks`` shards of a dim of ``size``, ``torch.chunk`` style.
+
+    Example:
+        >>> chunk_sizes(7, 4), chunk_sizes(3, 4)
+        ([2, 2, 2, 1], [1, 1, 1, 0])
+    """
+    step = padded_chunk_size(size, num_chunks)
+    return [max(0, min(step, size - i * step)) for i in range(num_chunks)]
+
+
+def chunk_offsets(size: int, num_chunks: int) -> list[int]:
+    """Start index of every shard (empty shards start at ``size``).
+
+    Example:
+        >>> chunk_offsets(7, 4)
+        [0, 2, 4, 6]
+    """
+    step = padded_chunk_size(size, num_chunks)
+    return [min(i * step, size) for i in range(num_chunks)]
+
+
+def padded_chunk_size(size: int, num_chunks: int) -> int:
+    """The largest shard: ``ceil(size / num_chunks)``; every padded shard has this size."""
+    return -(-size // num_chunks) if size else 0
+
+
+def padded_size(size: int, num_chunks: int) -> int:
+    """``padded_chunk_size * num_chunks``: the size an all-gather of padded shards produces."""
+    return padded_chunk_size(size, num_chunks) * num_chunks
+
+
+def normalize_placements(placements, mesh_ndim: int, tensor_ndim: int, *, api: str):
+    """Validate user placements and return them as a tuple with non-negative shard dims.
+
+    Raises:
+        TypeError: a placement class was passed instead of an instance, or a non-placement.
+        ValueError: the number of placements differs from the mesh ndim, or a shard dim is
+            out of range.
+    """
+    if placements is None:
+        return (Replicate(),) * mesh_ndim
+    if isinstance(placements, Placement):
+        placements = (placements,)
+    placements = tuple(placements)
+    for p in placements:
+        if isinstance(p, type) and issubclass(p, Placement):
+            raise TypeError(
+                f"{api}: placements must hold Placement instances, got the class "
+                f"{p.__name__}. Write {p.__name__}() (e.g. Shard(0), Replicate())."
+            )
+        if not isinstance(p, Placement):
+            raise TypeError(
+                f"{api}: placements must hold Shard/Replicate/Partial instances, got {p!r}."
+            )
+    if len(placements) != mesh_ndim:
+        raise ValueError(
+            f"{api}: placements must have one entry per mesh dim ({mesh_ndim}), got "
+            f"{len(placements)}: {format_placements(placements)}. Add or remove entries."
+        )
+    return tuple(
+        p.normalized(tensor_ndim, api=api) if isinstance(p, Shard) else p for p in placements
+    )
+
+
+def format_placements(placements) -> str:
+    """Short form for logs and errors, e.g. ``(S(0), R)``."""
+    return "(" + ", ".join(str(p) for p in placements) + ")"
+
+
+def local_shape_and_offset(global_shape, mesh_shape, coordinate, placements):
+    """This rank's local shape and its offset in the global tensor.
+
+    Several mesh dims may shard the same tensor dim; they split it in mesh-dim order (the
+    shard of mesh dim 0 is split again by mesh dim 1, and so on).
+
+    Example:
+        >>> local_shape_and_offset((7, 5), (2, 2), (1, 1), (Shard(0), Shard(0)))
+        ((1, 5), (6, 0))
+    """
+    shape = list(global_shape)
+    offset = [0] * len(shape)
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Shard):
+            n, k = shape[p.dim], mesh_shape[mesh_dim]
+            i = coordinate[mesh_dim]
+            offset[p.dim] += chunk_offsets(n, k)[i]
+            shape[p.dim] = chunk_sizes(n, k)[i]
+    return tuple(shape), tuple(offset)

@@ -1,0 +1,289 @@
+"""DTensor: a ``torch.Tensor`` subclass holding this rank's shard plus a global spec.
+
+It is a *wrapper* subclass: the outer tensor has the global shape and no storage; every aten
+op that reaches it goes through ``__torch_dispatch__`` (see ``dtensor._dispatch``), which
+finds the op's sharding rule, redistributes inputs when the rule asks, runs the op on the
+local tensors and wraps the results. Autograd runs on the outer tensors, so gradients are
+DTensors too and stock optimizers see ordinary tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from device_mesh import DeviceMesh
+from dtensor import _collectives as C
+from dtensor._redistribute import redistribute_local
+from dtensor._spec import DTensorSpec, TensorMeta, contiguous_stride
+from dtensor.placement import (
+    Partial,
+    Replicate,
+    Shard,
+    format_placements,
+    normalize_placements,
+)
+
+
+class DTensor(torch.Tensor):
+    """A tensor sharded or replicated over a ``DeviceMesh``.
+
+    Build one with ``distribute_tensor`` (from a full tensor) or ``DTensor.from_local`` (from
+    per-rank pieces). ``dt.shape`` is the global shape; ``dt.to_local()`` is this rank's piece.
+
+    Example:
+        >>> mesh = init_device_mesh("cpu", (2,))
+        >>> dt = distribute_tensor(torch.arange(6.0).view(3, 2), mesh, [Shard(0)])
+        >>> dt.to_local()            # rank 0: [[0, 1], [2, 3]]; rank 1: [[4, 5]]
+        >>> (dt * 2).full_tensor()   # every rank: the whole doubled tensor
+    """
+
+    _local_tensor: torch.Tensor
+    _spec: DTensorSpec
+
+    @staticmethod
+    def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool):
+        if local_tensor.requires_grad and not requires_grad:
+            local_tensor = local_tensor.detach()
+        r = torch.Tensor._make_wrapper_subclass(
+            cls,
+            spec.meta.shape,
+            strides=spec.meta.stride,
+            dtype=spec.meta.dtype,
+            device=local_tensor.device,
+            layout=local_tensor.layout,
+            requires_grad=requires_grad,
+        )
+        r._local_tensor = local_tensor
+        r._spec = spec
+        r._pending = None
+        return r
+
+    # torch functions go straight to aten; sharding happens in __torch_dispatch__
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from dtensor._dispatch import dispatch
+
+        return dispatch(func, args, kwargs or {})
+
+    # ---------------------------------------------------------------------------- metadata
+    @property
+    def placements(self) -> tuple:
+        """One placement per mesh dim, e.g. ``(Shard(0),)``."""
+        return self._spec.placements
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The mesh this tensor lives on."""
+        return self._spec.mesh
+
+    def __repr__(self) -> str:
+        return (
+            f"DTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"placements={format_placements(self.placements)}, mesh={self.device_mesh!r})"
+        )
+
+    def __tensor_flatten__(self):
+        return ["_local_tensor"], (self._spec, self.requires_grad)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        spec, requires_grad = ctx
+        meta = TensorMeta(torch.Size(outer_size), tuple(outer_stride), spec.meta.dtype)
+        return DTensor(
+            inner["_local_tensor"],
+            DTensorSpec(spec.mesh, spec.placements, meta),
+            requires_grad=requires_grad,
+        )
+
+    def _local(self) -> torch.Tensor:
+        """The local tensor, waiting for an async redistribute if one is still running."""
+        if self._pending is not None:
+            self._local_tensor = self._pending.wait()
+            self._pending = None
+        return self._local_tensor
+
+    # ---------------------------------------------------------------------------- public API
+    @staticmethod
+    def from_local(
+        local_tensor, device_mesh=None, placements=None, *, run_check=False, shape=None, stride=None
+    ) -> DTensor:
+        """Wrap each rank's ``local_tensor`` as one DTensor (differentiable).
+
+        Without ``shape``, shards are assumed even (global size = local size x mesh size);
+        pass ``shape`` (and ``stride``) for uneven shards. ``run_check=True`` verifies every
+        rank's local shape against the global shape and makes replicas equal by
+        broadcasting from the first rank of each replicated mesh dim (collectives).
+
+        Raises:
+            ValueError: no mesh, wrong placements, or (with ``run_check``) local shapes that
+                do not fit ``shape``.
+
+        Example:
+            >>> dt = DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)])  # global (4, 3)
+        """
+        api = "DTensor.from_local"
+        if device_mesh is None:
+            raise ValueError(f"{api}: device_mesh is required, got None. Pass the mesh.")
+        if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensor):
+            raise TypeError(
+                f"{api}: local_tensor must be a plain torch.Tensor, got "
+                f"{type(local_tensor).__name__}."
+            )
+        placements = normalize_placements(placements, device_mesh.ndim, local_tensor.ndim, api=api)
+        if shape is None:
+            global_shape = list(local_tensor.shape)
+            for mesh_dim, p in enumerate(placements):
+                if isinstance(p, Shard):
+                    global_shape[p.dim] *= device_mesh.size(mesh_dim)
+            shape = torch.Size(global_shape)
+        shape = torch.Size(shape)
+        stride = tuple(stride) if stride is not None else contiguous_stride(shape)
+        spec = DTensorSpec(device_mesh, placements, TensorMeta(shape, stride, local_tensor.dtype))
+        if run_check:
+            local_tensor = _check_local(local_tensor, spec, api)
+        return _FromLocal.apply(local_tensor, spec)
+
+    def to_local(self, *, grad_placements=None) -> torch.Tensor:
+        """This rank's piece, as a plain tensor (differentiable).
+
+        ``grad_placements`` says how the gradient arriving at the local tensor is laid out
+        (default: as this tensor).
+        """
+        if not torch.is_grad_enabled() or not self.requires_grad:
+            return self._local()
+        return _ToLocal.apply(self, grad_placements)
+
+    def redistribute(self, device_mesh=None, placements=None, *, async_op=False) -> DTensor:
+        """The same global tensor with new ``placements`` (differentiable).
+
+        With ``async_op=True`` the last collective may still be running when this returns;
+        the first use of the result waits for it.
+
+        Raises:
+            ValueError: another mesh, or a move to ``Partial`` from anything but that
+                ``Partial`` (partials are produced by ops, not requested).
+
+        Example:
+            >>> dt.redistribute(placements=[Replicate()])    # all-gather of the shards
+        """
+        api = "DTensor.redistribute"
+        mesh = device_mesh or self.device_mesh
+        if mesh != self.device_mesh:
+            raise ValueError(
+                f"{api}: device_mesh must be the tensor's mesh "
+                f"{self.device_mesh!r}, got {mesh!r}. Moving between meshes is "
+                "not supported; use full_tensor() and distribute_tensor()."
+            )
+        dst = normalize_placements(
+            placements if placements is not None else self.placements, mesh.ndim, self.ndim, api=api
+        )
+        for i, (c, d) in enumerate(zip(self.placements, dst)):
+            if isinstance(d, Partial) and c != d:
+                raise ValueError(
+                    f"{api}: cannot redistribute mesh dim {i} from {c} to {d}: a tensor only "
+                    "becomes Partial as the result of an op. Redistribute to Replicate() or "
+                    "Shard(dim) instead."
+                )
+        return _Redistribute.apply(self, dst, async_op)
+
+    def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
+        """The whole global tensor on every rank, as a plain tensor (differentiable).
+
+        Example:
+            >>> distribute_tensor(t, mesh, [Shard(0)]).full_tensor().equal(t)
+            True
+        """
+        replicated = self.redistribute(placements=[Replicate()] * self.device_mesh.ndim)
+        return replicated.to_local(grad_placements=grad_placements)
+
+
+def _grad_target(placements):
+    """Gradient placements for an input laid out as ``placements``: partials become replicas."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+
+
+def make_dtensor(local: torch.Tensor, spec: DTensorSpec, *, requires_grad=False) -> DTensor:
+    return DTensor(local, spec, requires_grad=requires_grad)
+
+
+def redistribute_dtensor(dt: DTensor, placements, *, async_op=False) -> DTensor:
+    """Non-differentiable redistribute used inside dispatch (autograd is above us there)."""
+    placements = tuple(placements)
+    if placements == dt.placements:
+        return dt
+    pending = redistribute_local(dt._local(), dt._spec, placements, async_op=async_op)
+    out = DTensor(dt._local_tensor, dt._spec.with_placements(placements), requires_grad=False)
+    if async_op:
+        out._pending = pending
+    else:
+        out._local_tensor = pending.wait()
+    return out
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, spec):
+        ctx.spec = spec
+        return DTensor(local.view_as(local), spec, requires_grad=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        target = _grad_target(ctx.spec.placements)
+        if grad.placements != target:
+            grad = redistribute_dtensor(grad, target)
+        return grad._local(), None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dt, grad_placements):
+        ctx.spec = dt._spec
+        ctx.grad_placements = grad_placements
+        return dt._local().view_as(dt._local())
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec = ctx.spec
+        placements = spec.placements
+        if ctx.grad_placements is not None:
+            placements = normalize_placements(
+                ctx.grad_placements, spec.mesh.ndim, spec.ndim, api="DTensor.to_local"
+            )
+        grad_spec = DTensorSpec(
+            spec.mesh, placements, TensorMeta(spec.shape, contiguous_stride(spec.shape), grad.dtype)
+        )
+        return DTensor(grad, grad_spec, requires_grad=False), None
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dt, placements, async_op):
+        ctx.src = dt.placements
+        return redistribute_dtensor(dt, placements, async_op=async_op)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return redistribute_dtensor(grad, _grad_target(ctx.src)), None, None
+
+
+def _check_local(local: torch.Tensor, spec: DTensorSpec, api: str) -> torch.Tensor:
+    """Check every rank's local shape against ``spec``; broadcast replicas from the first rank."""
+    import torch.distributed as dist
+
+    mesh = spec.mesh
+    expected, _ = spec.local_shape_and_offset()
+    shapes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(shapes, (dist.get_rank(), tuple(local.shape), expected))
+    bad = [f"rank {r}: local {got}, expected {want}" for r, got, want in shapes if got != want]
+    if bad:
+        raise ValueError(
+            f"{api}: local shapes do not fit shape={tuple(spec.shape)} with placements "
+            f"{format_placements(spec.placements)}: " + "; ".join(bad) + ". Pass the right "
+            "shape= or make each rank's local tensor its torch.chunk shard."
+        )
+    for mesh_dim, p in enumerate(spec.placements):
+        if isinstance(p, Replicate) and mesh.size(mesh_dim) > 1:
+            local = C.broadcast(local.clone(), mesh, mesh_dim, 0)
+    return local

@@ -1,0 +1,160 @@
+"""Layouts and redistribution against torch.distributed.tensor (the oracle)."""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.tensor as tdt
+from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
+
+from device_mesh import init_device_mesh
+from dtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from dtensor.debug import CommDebugMode
+from tests.harness import run_on_ranks
+
+SHAPES = [(7, 5), (3, 4), (1,), (5, 3, 2)]
+MESHES = [(2, (2,)), (3, (3,)), (4, (4,)), (4, (2, 2))]
+
+
+def _to_torch(p):
+    if isinstance(p, Shard):
+        return tdt.Shard(p.dim)
+    if isinstance(p, Partial):
+        return tdt.Partial(p.reduce_op)
+    return tdt.Replicate()
+
+
+def _all_placements(ndim, mesh_ndim, partial=False):
+    options = [Replicate()] + [Shard(d) for d in range(ndim)]
+    if partial:
+        options.append(Partial())
+    return list(itertools.product(options, repeat=mesh_ndim))
+
+
+def _check_layouts(mesh_shape, shape):
+    mesh = init_device_mesh("cpu", mesh_shape)
+    tmesh = torch_init_device_mesh("cpu", mesh_shape)
+    torch.manual_seed(0)
+    full = torch.randn(shape)
+    layouts = _all_placements(len(shape), len(mesh_shape))
+    oracle = {}
+    for pl in layouts:
+        dt = distribute_tensor(full, mesh, pl)
+        ref = tdt.distribute_tensor(full, tmesh, [_to_torch(p) for p in pl])
+        oracle[pl] = ref.to_local()
+        assert torch.equal(dt.to_local(), ref.to_local()), (pl, dt.to_local(), ref.to_local())
+        assert dt.shape == full.shape and dt.placements == pl
+        assert torch.equal(dt.full_tensor(), full), pl
+    for src, dst in itertools.product(layouts, layouts):
+        dt = distribute_tensor(full, mesh, src)
+        moved = dt.redistribute(placements=dst)
+        assert torch.equal(moved.to_local(), oracle[dst]), (src, dst)
+        back = moved.redistribute(placements=src)
+        assert torch.equal(back.to_local(), oracle[src]), (src, dst, "round trip")
+
+
+@pytest.mark.parametrize("world,mesh_shape", MESHES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_every_layout_and_transition_matches_torch(world, mesh_shape, shape):
+    run_on_ranks(world, _check_layouts, mesh_shape=mesh_shape, shape=shape)
+
+
+def _check_partial_sources(mesh_shape, shape, op):
+    mesh = init_device_mesh("cpu", mesh_shape)
+    tmesh = torch_init_device_mesh("cpu", mesh_shape)
+    torch.manual_seed(dist.get_rank())
+    local = torch.randn(shape)
+    for pl in _all_placements(len(shape), len(mesh_shape), partial=True):
+        if not any(isinstance(p, Partial) for p in pl):
+            continue
+        pl = tuple(Partial(op) if isinstance(p, Partial) else p for p in pl)
+        # build the same partial tensor in both libraries from each rank's full-size piece
+        tpl = [_to_torch(p) for p in pl]
+        rep = [Replicate() if isinstance(p, Partial) else p for p in pl]
+        tref = tdt.DTensor.from_local(
+            local,
+            tmesh,
+            [tdt.Partial(op) if isinstance(p, Partial) else tdt.Replicate() for p in pl],
+            run_check=False,
+        )
+        tref = tref.redistribute(tmesh, tpl)
+        ours = DTensor.from_local(tref.to_local(), mesh, pl, shape=shape)
+        want = tref.redistribute(tmesh, [_to_torch(p) for p in rep]).to_local()
+        got = ours.redistribute(placements=rep).to_local()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert torch.allclose(ours.full_tensor(), tref.full_tensor(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "min"])
+@pytest.mark.parametrize(
+    "world,mesh_shape,shape",
+    [(3, (3,), (7, 5)), (4, (4,), (3, 4)), (4, (2, 2), (5, 3, 2))],
+    ids=str,
+)
+def test_partial_reductions_match_torch(world, mesh_shape, shape, op):
+    run_on_ranks(world, _check_partial_sources, mesh_shape=mesh_shape, shape=shape, op=op)
+
+
+def _check_uneven_from_local_and_async():
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    full = torch.arange(21.0).view(7, 3)
+    local = full.chunk(dist.get_world_size())[dist.get_rank()] if dist.get_rank() < 4 else None
+    dt = DTensor.from_local(local, mesh, [Shard(0)], shape=(7, 3), run_check=True)
+    assert torch.equal(dt.full_tensor(), full)
+    with pytest.raises(
+        ValueError,
+        match=r"local shapes do not fit shape=\(8, 3\).*rank 2: local \(1, 3\), expected \(2, 3\)",
+    ):
+        DTensor.from_local(local, mesh, [Shard(0)], shape=(8, 3), run_check=True)
+    # async redistribute returns a result whose data arrives on first use
+    with CommDebugMode() as comm:
+        fut = dt.redistribute(placements=[Replicate()], async_op=True)
+        assert fut._pending is not None
+    assert comm.get_comm_counts() == {"all_gather": 1}
+    assert torch.equal(fut.to_local(), full)
+    assert fut._pending is None
+    # replicas are made equal by run_check: rank 0's data wins
+    mine = torch.full((2,), float(dist.get_rank()))
+    rep = DTensor.from_local(mine, mesh, [Replicate()], run_check=True)
+    assert torch.equal(rep.to_local(), torch.zeros(2))
+
+
+def test_uneven_from_local_run_check_and_async():
+    run_on_ranks(3, _check_uneven_from_local_and_async)
+
+
+def _check_src_data_rank():
+    mesh = init_device_mesh("cpu", (2, 2))
+    mine = torch.full((5, 3), float(dist.get_rank()))
+    for pl in [(Shard(0), Replicate()), (Replicate(), Shard(1)), (Shard(0), Shard(0))]:
+        dt = distribute_tensor(mine, mesh, pl, src_data_rank=0)
+        assert torch.equal(dt.full_tensor(), torch.zeros(5, 3)), pl
+        dt1 = distribute_tensor(mine, mesh, pl, src_data_rank=1)
+        assert torch.equal(dt1.full_tensor(), torch.full((5, 3), 3.0)), pl
+    local_only = distribute_tensor(mine, mesh, [Shard(0), Replicate()], src_data_rank=None)
+    expected = mine.chunk(2)[mesh.get_local_rank(0)]
+    assert torch.equal(local_only.to_local(), expected)
+
+
+def test_distribute_tensor_src_data_rank():
+    run_on_ranks(4, _check_src_data_rank)
+
+
+def _check_redistribute_errors():
+    mesh = init_device_mesh("cpu", (2,))
+    dt = distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)])
+    with pytest.raises(ValueError, match=r"cannot redistribute mesh dim 0 from S\(0\) to P\(sum\)"):
+        dt.redistribute(placements=[Partial()])
+    with pytest.raises(TypeError, match="got the class Shard"):
+        dt.redistribute(placements=[Shard])
+    with pytest.raises(ValueError, match="one entry per mesh dim"):
+        distribute_tensor(torch.randn(4), mesh, [Shard(0), Shard(0)])
+    with pytest.raises(ValueError, match=r"Shard\(dim=3\) is out of range"):
+        distribute_tensor(torch.randn(4), mesh, [Shard(3)])
+    with pytest.raises(ValueError, match="device_mesh is required"):
+        distribute_tensor(torch.randn(4), None, [Shard(0)])
+
+
+def test_redistribute_errors():
+    run_on_ranks(2, _check_redistribute_errors)

@@ -1,0 +1,110 @@
+"""Pure placement, chunk and planning maths: no process group."""
+
+import itertools
+
+import pytest
+import torch
+
+from dtensor._ops.views import reshape_groups, view_placements
+from dtensor._redistribute import plan_redistribute
+from dtensor.placement import (
+    NormPartial,
+    Partial,
+    Replicate,
+    Shard,
+    chunk_offsets,
+    chunk_sizes,
+    local_shape_and_offset,
+    normalize_placements,
+    padded_chunk_size,
+)
+
+
+@pytest.mark.parametrize("size", [0, 1, 3, 4, 5, 7, 8, 13])
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_chunk_sizes_follow_torch_chunk(size, n):
+    pieces = torch.arange(size).chunk(n) if size else ()
+    expected = [len(p) for p in pieces] + [0] * (n - len(pieces))
+    assert chunk_sizes(size, n) == expected
+    starts = chunk_offsets(size, n)
+    for p, s in zip(pieces, starts):
+        assert int(p[0]) == s
+    assert padded_chunk_size(size, n) == max(expected)
+
+
+def test_nested_local_shape_and_offset():
+    # (7, 5) over a (2, 2) mesh, both mesh dims on tensor dim 0: 4 + 3 rows, then 2+2, 2+1
+    got = {
+        c: local_shape_and_offset((7, 5), (2, 2), c, (Shard(0), Shard(0)))
+        for c in itertools.product(range(2), range(2))
+    }
+    assert got == {
+        (0, 0): ((2, 5), (0, 0)),
+        (0, 1): ((2, 5), (2, 0)),
+        (1, 0): ((2, 5), (4, 0)),
+        (1, 1): ((1, 5), (6, 0)),
+    }
+
+
+def test_str_forms_and_equality():
+    assert [str(p) for p in (Shard(0), Replicate(), Partial(), Partial("max"))] == [
+        "S(0)",
+        "R",
+        "P(sum)",
+        "P(max)",
+    ]
+    assert Shard(1) == Shard(1) and Shard(1) != Shard(0) and Partial() != Partial("avg")
+    assert str(NormPartial(2)) == "P(norm2)" and NormPartial(2) != Partial()
+    assert len({Shard(0), Shard(0), Replicate(), Replicate()}) == 2
+
+
+def test_placement_errors():
+    with pytest.raises(TypeError, match=r"got the class Shard. Write Shard\(\)"):
+        normalize_placements([Shard], 1, 2, api="distribute_tensor")
+    with pytest.raises(TypeError, match="got the class Replicate"):
+        normalize_placements([Replicate], 1, 2, api="distribute_tensor")
+    with pytest.raises(
+        ValueError, match=r"Shard\(dim=2\) is out of range for a tensor with 2 dims"
+    ):
+        normalize_placements([Shard(2)], 1, 2, api="distribute_tensor")
+    with pytest.raises(ValueError, match=r"one entry per mesh dim \(2\), got 1"):
+        normalize_placements([Shard(0)], 2, 2, api="distribute_tensor")
+    with pytest.raises(ValueError, match="reduce_op must be one of"):
+        Partial("prod")
+    assert normalize_placements([Shard(-1)], 1, 3, api="x") == (Shard(2),)
+
+
+def _kinds(src, dst):
+    return [s.kind for s in plan_redistribute(src, dst)]
+
+
+def test_plans():
+    S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial()
+    assert _kinds((S0,), (R,)) == ["all_gather"]
+    assert _kinds((P,), (R,)) == ["all_reduce"]
+    assert _kinds((P,), (S0,)) == ["reduce_scatter"]
+    assert _kinds((R,), (S0,)) == ["slice"]
+    assert _kinds((S0,), (S1,)) == ["all_to_all"]
+    assert _kinds((R,), (P,)) == ["to_partial"]
+    assert _kinds((S0, S0), (R, R)) == ["all_gather", "all_gather"]
+    assert [s.mesh_dim for s in plan_redistribute((S0, S0), (R, R))] == [1, 0]
+    # swapping the nesting order must gather both, then re-shard outermost first
+    steps = plan_redistribute((S0, S1), (S1, S0))
+    assert sorted(s.kind for s in steps) == ["all_gather", "all_gather", "slice", "slice"] or [
+        s.kind for s in steps
+    ] == ["all_to_all", "all_to_all"]
+    assert _kinds((S0, P), (S0, R)) == ["all_reduce"]
+    assert _kinds((S0, S1), (S0, S1)) == []
+
+
+def test_reshape_groups_and_view_placements():
+    assert reshape_groups((2, 3, 4), (6, 4)) == [([0, 1], [0]), ([2], [1])]
+    assert reshape_groups((6, 4), (2, 3, 4)) == [([0], [0, 1]), ([1], [2])]
+    assert reshape_groups((2, 1, 3), (6,)) == [([0, 1, 2], [0])]
+    assert reshape_groups((1, 4), (1, 2, 2)) == [([0], [0]), ([1], [1, 2])]
+    # (B, T, C) -> (B*T, C) sharded on B: fine when B divides, gathered when not
+    assert view_placements((4, 3, 5), (12, 5), (Shard(0),), (2,)) == ((Shard(0),), (Shard(0),))
+    assert view_placements((3, 2, 5), (6, 5), (Shard(0),), (2,)) == ((Replicate(),), (Replicate(),))
+    # splitting the last dim into heads keeps a shard on the heads
+    assert view_placements((2, 8), (2, 4, 2), (Shard(1),), (2,)) == ((Shard(1),), (Shard(1),))
+    assert view_placements((2, 8), (2, 4, 2), (Shard(0),), (2,)) == ((Shard(0),), (Shard(0),))
