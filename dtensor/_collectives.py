@@ -78,7 +78,7 @@ def all_gather(
             full = out
         else:
             full = torch.cat([out[i * pad : i * pad + s] for i, s in enumerate(sizes)])
-        return full.movedim(0, tensor_dim)
+        return full.movedim(0, tensor_dim).contiguous()
 
     return Pending(work, finish) if async_op else Pending.ready(finish())
 
@@ -127,7 +127,7 @@ def reduce_scatter(
     work = _reduce_scatter_flat(out, x, op=op, group=group, async_op=async_op)
 
     def finish_nccl():
-        return finish_fn(out)[: sizes[idx]].movedim(0, tensor_dim)
+        return finish_fn(out)[: sizes[idx]].movedim(0, tensor_dim).contiguous()
 
     return Pending(work, finish_nccl) if async_op else Pending.ready(finish_nccl())
 

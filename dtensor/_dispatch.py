@@ -146,7 +146,9 @@ def _check_inputs(func, leaves) -> None:
         if isinstance(x, DTensor):
             meshes.append(x.device_mesh)
         elif isinstance(x, torch.Tensor) and x.numel() != 1 and x.device.type != "meta":
-            raise TypeError(
+            # ValueError, not TypeError: operator wrappers (a + b) turn a TypeError into
+            # NotImplemented and the message would be lost.
+            raise ValueError(
                 f"{func}: got a plain torch.Tensor of shape {tuple(x.shape)} mixed with "
                 "DTensors. Only one-element tensors may be mixed in; convert the tensor with "
                 "distribute_tensor(t, mesh, placements) or DTensor.from_local(...)."

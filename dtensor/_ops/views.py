@@ -94,6 +94,8 @@ def _local_shape_fn(func, out_shape, out_placements, mesh, arg_index=1):
     def local_fn(x, *args, **kwargs):
         args = list(args)
         args[arg_index - 1] = list(local_shape)
+        if func is aten.view.default and not x.is_contiguous():
+            return x.reshape(local_shape)  # the local piece of a gathered dim may be strided
         return func(x, *args, **kwargs)
 
     return local_fn

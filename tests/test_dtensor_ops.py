@@ -1,0 +1,140 @@
+"""Ops on DTensors equal the same ops on plain tensors; unsupported ops fail loudly."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from device_mesh import init_device_mesh
+from dtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from dtensor.debug import CommDebugMode
+from tests.harness import run_on_ranks
+
+
+def _close(dt, ref, tol=1e-5):
+    got = dt.full_tensor() if isinstance(dt, DTensor) else dt
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+
+
+def _layouts(mesh, ndim):
+    opts = [Replicate()] + [Shard(d) for d in range(ndim)]
+    if mesh.ndim == 1:
+        return [(p,) for p in opts]
+    return [(a, b) for a in opts for b in opts]
+
+
+def _check_pointwise_and_reductions(mesh_shape):
+    mesh = init_device_mesh("cpu", mesh_shape)
+    x, y = torch.randn(7, 5), torch.randn(7, 5)
+    row, bias = torch.randn(1, 5), torch.randn(5)
+    for pl in _layouts(mesh, 2):
+        dx = distribute_tensor(x, mesh, pl)
+        dy = distribute_tensor(y, mesh, _layouts(mesh, 2)[-1])
+        drow = distribute_tensor(row, mesh, [Replicate()] * mesh.ndim)
+        dbias = distribute_tensor(bias, mesh, [Shard(0)] * mesh.ndim)
+        _close(dx + dy, x + y)
+        _close(dx * 2 - 1, x * 2 - 1)
+        _close(torch.tanh(dx) / (dy.abs() + 1), torch.tanh(x) / (y.abs() + 1))
+        _close(dx * drow + dbias, x * row + bias)
+        _close(torch.where(dx > 0, dx, dy), torch.where(x > 0, x, y))
+        _close(dx.sum(), x.sum())
+        _close(dx.sum(dim=1), x.sum(dim=1))
+        _close(dx.mean(), x.mean())
+        _close(dx.mean(dim=0, keepdim=True), x.mean(dim=0, keepdim=True))
+        _close(dx.amax(dim=0), x.amax(dim=0))
+        _close(dx.amin(), x.amin())
+        for p in (1.0, 2.0, float("inf")):
+            _close(torch.linalg.vector_norm(dx, p), torch.linalg.vector_norm(x, p))
+        _close(torch.stack([dx, dx * 2]), torch.stack([x, x * 2]))
+        _close(torch.cat([dx, dx], dim=1), torch.cat([x, x], dim=1))
+        z = dx.clone()
+        z.mul_(3).add_(dx)
+        _close(z, x * 4)
+        assert torch.equal(dx, distribute_tensor(x, mesh, pl)) and not torch.equal(dx, dx + 1)
+        assert abs(dx.sum().item() - x.sum().item()) < 1e-4
+        _close(torch.zeros_like(dx), torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("world,mesh_shape", [(3, (3,)), (4, (2, 2))], ids=str)
+def test_pointwise_and_reductions(world, mesh_shape):
+    run_on_ranks(world, _check_pointwise_and_reductions, mesh_shape=mesh_shape)
+
+
+def _check_partial_stays_partial_when_linear():
+    mesh = init_device_mesh("cpu", (2,))
+    a = DTensor.from_local(torch.full((3,), float(dist.get_rank() + 1)), mesh, [Partial()])
+    b = DTensor.from_local(torch.ones(3), mesh, [Partial()])
+    with CommDebugMode() as comm:
+        c = (a + b) * 2
+        d = -c
+    assert comm.get_total_counts() == 0
+    assert c.placements == (Partial(),) and d.placements == (Partial(),)
+    _close(c, torch.full((3,), 2.0 * (3 + 2)))
+    # a non-linear op reduces first
+    with CommDebugMode() as comm:
+        e = torch.exp(a)
+    assert comm.get_comm_counts() == {"all_reduce": 1} and e.placements == (Replicate(),)
+    _close(e, torch.exp(torch.full((3,), 3.0)))
+    # adding a number to a partial would count it on every rank: it must reduce first
+    _close(a + 1, torch.full((3,), 4.0))
+
+
+def test_partial_stays_partial_only_when_linear():
+    run_on_ranks(2, _check_partial_stays_partial_when_linear)
+
+
+def _check_matmul_views_nn(mesh_shape):
+    mesh = init_device_mesh("cpu", mesh_shape)
+    x, w, b = torch.randn(6, 7), torch.randn(5, 7), torch.randn(5)
+    for pa in _layouts(mesh, 2):
+        for pw in _layouts(mesh, 2):
+            dx, dw = distribute_tensor(x, mesh, pa), distribute_tensor(w, mesh, pw)
+            _close(dx @ dw.t(), x @ w.t())
+            db = distribute_tensor(b, mesh, [Replicate()] * mesh.ndim)
+            _close(F.linear(dx, dw, db), F.linear(x, w, b))
+    h = torch.randn(4, 3, 8)
+    for pl in _layouts(mesh, 3):
+        dh = distribute_tensor(h, mesh, pl)
+        _close(dh.view(12, 8), h.view(12, 8))
+        _close(dh.reshape(4, 3, 2, 4).transpose(1, 2), h.reshape(4, 3, 2, 4).transpose(1, 2))
+        _close(dh.permute(2, 0, 1), h.permute(2, 0, 1))
+        _close(dh.unsqueeze(1).flatten(0, 1), h.unsqueeze(1).flatten(0, 1))
+        _close(torch.bmm(dh, dh.transpose(1, 2)), torch.bmm(h, h.transpose(1, 2)))
+        q, k, v = dh.split(3, dim=2)[:3]
+        _close(q, h.split(3, dim=2)[0])
+        _close(dh[:, 1], h[:, 1])
+        _close(F.softmax(dh, dim=-1), F.softmax(h, dim=-1))
+        _close(F.layer_norm(dh, (8,)), F.layer_norm(h, (8,)))
+    table, idx = torch.randn(11, 6), torch.tensor([[0, 10, 3], [5, 5, 9]])
+    for pt in _layouts(mesh, 2):
+        for pi in [(Replicate(),) * mesh.ndim, (Shard(0),) + (Replicate(),) * (mesh.ndim - 1)]:
+            dt_, di = distribute_tensor(table, mesh, pt), distribute_tensor(idx, mesh, pi)
+            _close(F.embedding(di, dt_), F.embedding(idx, table))
+
+
+@pytest.mark.parametrize("world,mesh_shape", [(3, (3,)), (4, (2, 2))], ids=str)
+def test_matmul_views_and_nn_ops(world, mesh_shape):
+    run_on_ranks(world, _check_matmul_views_nn, mesh_shape=mesh_shape)
+
+
+def _check_errors():
+    mesh = init_device_mesh("cpu", (2,))
+    dx = distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)])
+    with pytest.raises(
+        NotImplementedError, match=r"no sharding rule for aten\.cumsum.*\(4, 3\) \(S\(0\)\)"
+    ):
+        torch.cumsum(dx, 0)
+    with pytest.raises(
+        ValueError,
+        match=r"plain torch.Tensor of shape \(4, 3\) mixed with DTensors.*distribute_tensor",
+    ):
+        dx + torch.randn(4, 3)
+    _close(dx + torch.tensor(2.0), dx.full_tensor() + 2)  # a one-element tensor is a scalar
+    other = init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b"))
+    dy = distribute_tensor(torch.randn(4, 3), other, [Replicate(), Shard(0)])
+    with pytest.raises(ValueError, match="all DTensor inputs must be on one mesh"):
+        dx + dy
+
+
+def test_unsupported_and_mixed_inputs_fail_clearly():
+    run_on_ranks(2, _check_errors)
