@@ -49,6 +49,14 @@ def _check_factories_module_and_counts():
     assert comm.get_comm_counts() == {"all_gather": 1}
     assert comm.get_total_bytes() == pad_rows * 5 * 4
     assert comm.get_counts_by_mesh_dim() == {("all_gather", 0): 1}
+    with CommDebugMode() as comm:
+        moved = dt.redistribute(placements=[Shard(1)])
+    assert comm.get_comm_counts() == {"all_to_all": 1}
+    assert torch.equal(moved.full_tensor(), dt.full_tensor())
+    with CommDebugMode() as comm:
+        moved = dt.redistribute(placements=[Shard(1)])
+    assert comm.get_comm_counts() == {"all_to_all": 1}
+    assert torch.equal(moved.full_tensor(), dt.full_tensor())
 
 
 def test_factories_distribute_module_and_comm_counts():

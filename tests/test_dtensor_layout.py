@@ -96,6 +96,12 @@ def test_partial_reductions_match_torch(world, mesh_shape, shape, op):
     run_on_ranks(world, _check_partial_sources, mesh_shape=mesh_shape, shape=shape, op=op)
 
 
+@pytest.mark.parametrize("world,mesh_shape", MESHES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_partial_sources_on_every_mesh_and_shape(world, mesh_shape, shape):
+    run_on_ranks(world, _check_partial_sources, mesh_shape=mesh_shape, shape=shape, op="sum")
+
+
 def _check_uneven_from_local_and_async():
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     full = torch.arange(21.0).view(7, 3)
