@@ -45,8 +45,7 @@ class Pending:
 
     @staticmethod
     def ready(t: torch.Tensor) -> Pending:
-        p = Pending(None, lambda: t)
-        return p
+        return Pending(None, lambda: t)
 
 
 def _backend_is_gloo(group) -> bool:
