@@ -17,4 +17,5 @@ t = torch.tensor([float(rank + 1)])
 dist.all_reduce(t, group=mesh.get_group("tp"))  # sums 1 + 2 + ... over this rank's row
 if rank == 0:
     print(f"{mesh!r}: sum over 'tp' = {t.item():.0f}")
+dist.barrier()  # no rank tears gloo down while its peer still talks to it
 dist.destroy_process_group()

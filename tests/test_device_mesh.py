@@ -200,6 +200,7 @@ TORCHRUN_SCRIPT = textwrap.dedent(
     dist.all_reduce(t, group=mesh.get_group("dp"))
     assert t.item() == 3.0, t
     print(f"rank {mesh.get_rank()} ok", flush=True)
+    dist.barrier()  # no rank tears gloo down while its peer still talks to it
     dist.destroy_process_group()
     """
 )
