@@ -1,0 +1,118 @@
+"""A small GPT (decoder-only transformer) shared by the examples, tests and benchmarks.
+
+Sizes are free, so tests can pick awkward ones (a vocabulary not divisible by the world size,
+fewer position rows than ranks). No dropout: replicas stay bit-identical.
+
+Example:
+    >>> from examples.gpt import GPT, GPTConfig
+    >>> model = GPT(GPTConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=32))
+    >>> logits = model(torch.randint(0, 256, (2, 16)))     # (2, 16, 256)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    max_seq_len: int = 256
+    tie_weights: bool = False
+    bias: bool = True  # biases in every Linear
+    checkpoint_blocks: bool = False  # torch.utils.checkpoint around every block
+
+    def num_params(self) -> int:
+        d, v = self.dim, self.vocab_size
+        per_block = 12 * d * d + (13 * d if self.bias else 4 * d)
+        head = 0 if self.tie_weights else v * d
+        return v * d + self.max_seq_len * d + self.n_layers * per_block + 2 * d + head
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).unbind(2)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.dim, 4 * cfg.dim, bias=cfg.bias)
+        self.out = nn.Linear(4 * cfg.dim, cfg.dim, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.dim)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.dim)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.head.weight = self.tok_emb.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 style init; works on sharded parameters too (only in-place ops)."""
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif ".ln" in name or name.startswith("ln_"):
+                nn.init.ones_(p)
+            elif name.endswith("proj.weight") or name.endswith("out.weight"):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.cfg.n_layers))
+            else:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            if self.cfg.checkpoint_blocks and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def gpt_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy."""
+    logits = model(idx)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))

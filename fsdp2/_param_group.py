@@ -1,0 +1,300 @@
+"""FSDPParamGroup: the parameters of one ``fully_shard`` call, gathered and reduced together.
+
+A group moves between two states. *Sharded*: modules hold the sharded DTensor parameters.
+*Unsharded*: one all-gather has refilled every unsharded parameter and the modules hold
+those. ``unshard()`` issues the all-gather without waiting (that is what prefetching is);
+``wait_for_unshard()`` finishes it, copies each parameter out of the gathered rows and swaps
+the registrations. ``reshard()`` frees the unsharded storage and swaps back.
+
+``post_backward()`` takes the unsharded gradients, lays them out rank-major in the reduce
+dtype (plus one "had a gradient" flag per parameter, so a parameter that no rank used keeps
+``grad=None``, exactly as on one process) and issues one reduction. ``finish_reduce()``
+waits, averages and installs each rank's slice as the sharded ``.grad``.
+
+With a single data-parallel rank and no dtype cast nothing needs to move, so the unsharded
+parameter is an alias of the shard and no collective is issued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from fsdp2 import _collectives as C
+from fsdp2._param import FSDPParam, MeshInfo
+from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+logger = logging.getLogger(__name__)
+
+
+class PostForwardMesh:
+    """``reshard_after_forward=k``: after forward each rank keeps 1/k of the parameters.
+
+    The shard group is cut into consecutive blocks of ``k`` ranks; a block holds every row of
+    the rank-major layout between its members, so backward re-gathers within the block.
+    """
+
+    def __init__(self, ranks: list[int], my_pos: int, k: int, backend: str) -> None:
+        from device_mesh._groups import get_group
+
+        self.size = k
+        self.index = my_pos % k
+        blocks = [tuple(ranks[i : i + k]) for i in range(0, len(ranks), k)]
+        groups = [get_group(b, backend) for b in blocks]  # every rank creates every block
+        self.group = groups[my_pos // k]
+
+
+class PendingReduce:
+    """A gradient reduction in flight for one group."""
+
+    def __init__(self, group: FSDPParamGroup, collective, params: list[FSDPParam]) -> None:
+        self.group = group
+        self.collective = collective
+        self.params = params
+
+
+class FSDPParamGroup:
+    """Parameters of one ``fully_shard`` call and the collectives that move them."""
+
+    def __init__(
+        self,
+        params: list[FSDPParam],
+        mesh_info: MeshInfo,
+        device: torch.device,
+        mp_policy: MixedPrecisionPolicy,
+        offload_policy: OffloadPolicy,
+        post_forward: PostForwardMesh | None,
+    ) -> None:
+        self.params = params
+        for p in params:
+            p.group = self
+        self.initialized = False  # set at the root's lazy init
+        self.mesh_info = mesh_info
+        self.device = device
+        self.mp_policy = mp_policy
+        self.offload = isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu"
+        self.pin_memory = self.offload and offload_policy.pin_memory
+        self.post_forward = post_forward
+        # controls (FSDPModule.set_*)
+        self.reshard_after_forward: bool | None = None  # None until lazy init resolves it
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.gradient_divide_factor: float | None = None
+        self.unshard_in_backward = True
+        # runtime
+        self.is_unsharded = False
+        self._gather: C.Collective | None = None
+        self._post_forward_rows: torch.Tensor | None = None
+
+    # --------------------------------------------------------------------------- dtypes
+    @property
+    def orig_dtype(self) -> torch.dtype:
+        return self.params[0].dtype
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.mp_policy.param_dtype or self.orig_dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return self.mp_policy.reduce_dtype or self.param_dtype
+
+    @property
+    def trivial(self) -> bool:
+        """One data-parallel rank, no cast, no offload: the shard *is* the full parameter."""
+        return (
+            self.mesh_info.data_parallel_size == 1
+            and self.param_dtype == self.orig_dtype
+            and not self.offload
+        )
+
+    def check_dtypes(self) -> None:
+        """All parameters of a group travel in one buffer, so they need one dtype."""
+        if self.mp_policy.param_dtype is not None:
+            return
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) > 1:
+            listing = ", ".join(f"{p.fqn}: {p.dtype}" for p in self.params)
+            raise ValueError(
+                f"fully_shard: the parameters of one group must share a dtype for the grouped "
+                f"all-gather, got {listing}. Pass mp_policy=MixedPrecisionPolicy(param_dtype=...)"
+                " or call fully_shard on the differing modules separately."
+            )
+
+    # --------------------------------------------------------------------------- unshard
+    def unshard(self) -> None:
+        """Start the all-gather (returns at once); ``wait_for_unshard`` completes it."""
+        if self.is_unsharded or self._gather is not None or not self.params:
+            return
+        if self.trivial:
+            for p in self.params:
+                _alias_unsharded(p)
+                p.to_unsharded()
+            self.is_unsharded = True
+            return
+        info = self.mesh_info
+        for p in self.params:
+            p.ensure_unsharded(self.param_dtype, self.device)
+        if self._post_forward_rows is not None:
+            pf = self.post_forward
+            rows = self._post_forward_rows
+            self._gather = C.all_gather_rows(
+                rows.view(-1), pf.group, pf.size, label=info.shard_mesh_dim, mesh=info.mesh
+            )
+            return
+        row = torch.empty(self._row_numel(), dtype=self.param_dtype, device=self.device)
+        offset = 0
+        for p in self.params:
+            p.copy_shard_into(row[offset : offset + p.padded_numel])
+            offset += p.padded_numel
+        self._gather = C.all_gather_rows(
+            row, info.shard_group, info.shard_size, label=info.shard_mesh_dim, mesh=info.mesh
+        )
+
+    def wait_for_unshard(self) -> None:
+        """Finish a started all-gather and swap the unsharded parameters in."""
+        if self._gather is None:
+            return
+        out = self._gather.wait()
+        self._gather = None
+        self._post_forward_rows = None
+        rows = out.view(self.mesh_info.shard_size, -1)
+        with contextlib.ExitStack() as stack:
+            # The copy must not bump the version counter autograd checks on saved tensors.
+            for p in self.params:
+                stack.enter_context(
+                    torch.autograd._unsafe_preserve_version_counter(p.unsharded_param)
+                )
+            torch.split_with_sizes_copy(
+                rows,
+                [p.padded_numel for p in self.params],
+                dim=1,
+                out=[p.unsharded_rank_blocks() for p in self.params],
+            )
+        for p in self.params:
+            p.to_unsharded()
+        self.is_unsharded = True
+
+    def _row_numel(self) -> int:
+        return sum(p.padded_numel for p in self.params)
+
+    # --------------------------------------------------------------------------- reshard
+    def reshard(self, *, after_forward: bool = False) -> None:
+        """Free the unsharded parameters and register the sharded ones again."""
+        if self._gather is not None:
+            self.wait_for_unshard()
+        if not self.is_unsharded:
+            return
+        if after_forward and self.post_forward is not None and not self.trivial:
+            self._post_forward_rows = self._rows_for_post_forward()
+        for p in self.params:
+            if not self.trivial:
+                p.free_unsharded()
+            p.to_sharded()
+        self.is_unsharded = False
+
+    def _rows_for_post_forward(self) -> torch.Tensor:
+        pf = self.post_forward
+        per = self.mesh_info.shard_size // pf.size
+        lo = pf.index * per
+        rows = torch.empty((per, self._row_numel()), dtype=self.param_dtype, device=self.device)
+        offset = 0
+        for p in self.params:
+            n = p.padded_numel
+            rows[:, offset : offset + n].copy_(p.unsharded_rank_blocks()[lo : lo + per])
+            offset += n
+        return rows
+
+    # --------------------------------------------------------------------------- gradients
+    def post_backward(self) -> PendingReduce | None:
+        """Take the unsharded gradients, reshard, and issue their reduction."""
+        with_grad = [p for p in self.params if p.requires_grad]
+        if not self.requires_gradient_sync or not with_grad:
+            # no-sync: gradients stay on the unsharded parameters and keep accumulating
+            if self.reshard_after_backward:
+                self.reshard()
+            return None
+        grads = [p.take_unsharded_grad() for p in with_grad]
+        if self.reshard_after_backward:
+            self.reshard()
+        if self.trivial:
+            self._install_local_grads(with_grad, grads)
+            return None
+        rows = self._gradient_rows(with_grad, grads)
+        info = self.mesh_info
+        collective = C.reduce_rows(
+            rows, info.shard_rank, info.shard_group, label=info.shard_mesh_dim, mesh=info.mesh
+        )
+        return PendingReduce(self, collective, with_grad)
+
+    def _gradient_rows(self, params: list[FSDPParam], grads: list) -> torch.Tensor:
+        """``(shard_size, N + len(params))`` rank-major gradients in the reduce dtype + flags."""
+        ws = self.mesh_info.shard_size
+        dtype = self.reduce_dtype
+        pieces = []
+        for p, g in zip(params, grads, strict=True):
+            if g is None:
+                g = torch.zeros(p.moved_shape(p.rows), dtype=dtype, device=self.device)
+            elif p.shard_dim:
+                g = g.movedim(p.shard_dim, 0)
+            pieces.append(g)
+        flags = [1.0 if g is not None else 0.0 for g in grads]
+        pieces.append(torch.tensor([flags], dtype=dtype, device=self.device).expand(ws, -1))
+        width = sum(p.padded_numel for p in params) + len(params)
+        rows = torch.empty((ws, width), dtype=dtype, device=self.device)
+        torch._chunk_cat(pieces, dim=0, num_chunks=ws, out=rows)
+        return rows
+
+    def finish_reduce(self, pending: PendingReduce) -> None:
+        """Wait for a reduction, average it and install this rank's gradient shards."""
+        row = pending.collective.wait()
+        params = pending.params
+        info = self.mesh_info
+        if info.replicate_mesh_dim is not None and self.requires_all_reduce:
+            C.all_reduce_sum(
+                row, info.replicate_group, label=info.replicate_mesh_dim, mesh=info.mesh
+            )
+        n = row.numel() - len(params)
+        values, flags = row[:n], row[n:].tolist()
+        factor = self._divide_factor()
+        if factor != 1:
+            values.div_(factor)
+        if self.offload:
+            values = values.to("cpu").pin_memory() if self.pin_memory else values.to("cpu")
+        offset = 0
+        for p, flag in zip(params, flags, strict=True):
+            if flag > 0:
+                p.accumulate_sharded_grad(p.shard_grad_from_row(values[offset:]))
+            offset += p.padded_numel
+
+    def _divide_factor(self) -> float:
+        if self.gradient_divide_factor is not None:
+            return self.gradient_divide_factor
+        info = self.mesh_info
+        return info.shard_size * (info.replicate_size if self.requires_all_reduce else 1)
+
+    def _install_local_grads(self, params: list[FSDPParam], grads: list) -> None:
+        factor = self._divide_factor()
+        for p, g in zip(params, grads, strict=True):
+            if g is not None:
+                p.accumulate_sharded_grad(g / factor if factor != 1 else g)
+
+    def has_unsharded_grads(self) -> bool:
+        return any(
+            p.unsharded_param is not None and p.unsharded_param.grad is not None
+            for p in self.params
+        )
+
+
+def _alias_unsharded(p: FSDPParam) -> None:
+    """World of one: the unsharded parameter shares the shard's storage."""
+    local = p.local
+    current = p.unsharded_param
+    if current is None or current.data_ptr() != local.data_ptr() or current.shape != local.shape:
+        grad = current.grad if current is not None else None
+        p.unsharded_param = torch.nn.Parameter(local, requires_grad=p.requires_grad)
+        if grad is not None:
+            p.unsharded_param.grad = grad
