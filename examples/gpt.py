@@ -111,6 +111,14 @@ class GPT(nn.Module):
                 x = block(x)
         return self.head(self.ln_f(x))
 
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy continuation of ``idx`` (batch, time) by ``max_new_tokens`` tokens."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.cfg.max_seq_len :])
+            idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        return idx
+
 
 def gpt_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy."""

@@ -233,7 +233,7 @@ class FSDPParamGroup:
     def _gradient_rows(self, params: list[FSDPParam], grads: list) -> torch.Tensor:
         """``(shard_size, N + len(params))`` rank-major gradients in the reduce dtype + flags."""
         ws = self.mesh_info.shard_size
-        dtype = self.reduce_dtype
+        dtype = self.param_dtype  # _chunk_cat wants one input dtype; it casts into the output
         pieces = []
         for p, g in zip(params, grads, strict=True):
             if g is None:
@@ -244,7 +244,7 @@ class FSDPParamGroup:
         flags = [1.0 if g is not None else 0.0 for g in grads]
         pieces.append(torch.tensor([flags], dtype=dtype, device=self.device).expand(ws, -1))
         width = sum(p.padded_numel for p in params) + len(params)
-        rows = torch.empty((ws, width), dtype=dtype, device=self.device)
+        rows = torch.empty((ws, width), dtype=self.reduce_dtype, device=self.device)
         torch._chunk_cat(pieces, dim=0, num_chunks=ws, out=rows)
         return rows
 

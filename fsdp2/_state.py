@@ -23,6 +23,7 @@ Activation checkpointing re-runs a block's forward inside backward; the hooks se
 from __future__ import annotations
 
 import enum
+import gc
 import logging
 import weakref
 from collections import deque
@@ -165,8 +166,19 @@ class FSDPState:
                 s.group.check_dtypes()
                 s.group.initialized = True
         _name_params(self.modules)
-        _check_tied_leftovers(self.modules)
+        _check_tied_leftovers(states)
         logger.debug("fully_shard root %r manages %d groups", self, len(states))
+
+    def init_from_root(self) -> None:
+        """Lazy-init through the outermost fully_shard module containing this one (for calls
+        such as ``unshard()`` that may come before the first forward)."""
+        if self.ctx is not None:
+            return
+        root = self
+        for other in list(_ALL_STATES):
+            if any(root.modules[0] is m for top in other.modules for m in top.modules()):
+                root = other
+        root.lazy_init()
 
     def _check_no_uninitialized_ancestor(self) -> None:
         mine = self.modules[0]
@@ -211,24 +223,21 @@ class FSDPState:
             return None
         self._depth -= 1
         self._done.add(id(module))
-        grad_enabled = torch.is_grad_enabled()
+        tensors = []
+        if torch.is_grad_enabled():
+            flat = tree_flatten(output)[0]
+            tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
         if self._depth == 0 and len(self._done) == len(self.modules):
             self._done.clear()
             self.ctx.post_forward_order.append(self)
             if self.group is not None:
-                if not grad_enabled:
-                    self.group.reshard()  # no backward will come
+                if not tensors:
+                    self.group.reshard()  # nothing to differentiate: no backward will come
                 elif self.group.reshard_after_forward:
                     self.group.reshard(after_forward=True)
             self.training_state = TrainingState.IDLE
-        if grad_enabled:
-            tensors = [
-                t
-                for t in tree_flatten(output)[0]
-                if isinstance(t, torch.Tensor) and t.requires_grad
-            ]
-            if tensors:
-                register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        if tensors:
+            register_multi_grad_hook(tensors, self._pre_backward, mode="any")
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         return output
@@ -335,18 +344,38 @@ def _name_params(roots) -> None:
                         p.fqn = f"{mod_name}.{attr}" if mod_name else attr
 
 
-def _check_tied_leftovers(roots) -> None:
-    """A parameter tied to a managed one but registered outside every group is an error."""
-    for top in roots:
-        for mod_name, m in top.named_modules(remove_duplicate=False):
-            for attr, p in m._parameters.items():
-                owner = _MANAGED_ORIGINALS.get(id(p)) if p is not None else None
-                if owner is not None and owner.original is p:
-                    where = f"{mod_name}.{attr}" if mod_name else attr
-                    raise ValueError(
-                        f"fully_shard: parameter {where!r} is tied to {owner.fqn!r}, which a "
-                        f"fully_shard call on another module manages, and no fully_shard call "
-                        f"covers both uses. Call fully_shard on a module that contains both "
-                        f"(for example the root model) after the inner calls; the shared "
-                        f"parameter then moves to that group."
-                    )
+def _check_tied_leftovers(states) -> None:
+    """A managed parameter's original still registered in some module means a broken tie.
+
+    ``fully_shard`` replaces a parameter in the modules it covers; a module outside every
+    call (a tied embedding, say) would keep training the old, full, unsynchronized tensor.
+    The originals are held weakly, so only ones something still references are examined.
+    """
+    for s in states:
+        for p in s.group.params if s.group is not None else ():
+            original = p.original
+            if original is None:
+                continue
+            for holder in _modules_registering(original):
+                raise ValueError(
+                    f"fully_shard: parameter {p.fqn!r} is tied to the {holder} parameter of a "
+                    f"module that no fully_shard call covers, so the two would drift apart. "
+                    f"Call fully_shard on a module that contains both uses (for example the "
+                    f"root model) after the inner calls; the shared parameter then moves to "
+                    f"that group."
+                )
+
+
+def _modules_registering(param) -> list[str]:
+    """``'Class.attr'`` for every module whose ``_parameters`` holds ``param``."""
+    found = []
+    for holder in gc.get_referrers(param):
+        if not isinstance(holder, dict):
+            continue
+        for owner in gc.get_referrers(holder):
+            if isinstance(owner, dict) and owner.get("_parameters") is holder:
+                for m in gc.get_referrers(owner):
+                    if isinstance(m, torch.nn.Module) and m.__dict__ is owner:
+                        attr = next(k for k, v in holder.items() if v is param)
+                        found.append(f"{type(m).__name__}.{attr}")
+    return found

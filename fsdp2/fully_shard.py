@@ -80,7 +80,7 @@ class FSDPModule:
             >>> model.unshard()          # full parameters until reshard() or the next backward
         """
         state = self._fsdp
-        state.lazy_init()
+        state.init_from_root()
         group = state.group
         if group is not None:
             group.unshard()
@@ -174,7 +174,7 @@ class FSDPModule:
             >>> model.set_is_last_backward(False)   # micro-batches before the last one
         """
         state = self._fsdp
-        state.lazy_init()
+        state.init_from_root()
         state.ctx.is_last_backward = _check_bool(is_last_backward, "is_last_backward")
 
     def set_gradient_divide_factor(self, factor: float) -> None:
@@ -280,8 +280,8 @@ def fully_shard(
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
-    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-    offload_policy: OffloadPolicy = OffloadPolicy(),
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen, immutable)
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (frozen, immutable)
     ignored_params: set[nn.Parameter] | None = None,
 ):
     """Shard ``module``'s parameters over ``mesh`` and gather them only while it computes.

@@ -1,0 +1,297 @@
+"""fully_shard's collectives (counted), controls, life cycle and errors."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from device_mesh import DeviceMesh
+from dtensor import DTensor
+from dtensor.debug import CommDebugMode
+from examples.gpt import GPT, GPTConfig, gpt_loss
+from fsdp2 import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from tests.harness import run_on_ranks
+
+VOCAB, SEQ = 67, 3
+
+
+def _cfg(**kw) -> GPTConfig:
+    base = dict(vocab_size=VOCAB, dim=30, n_layers=2, n_heads=3, max_seq_len=SEQ, bias=False)
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+def _sharded(cfg=None, **kw):
+    torch.manual_seed(0)
+    model = GPT(cfg or _cfg())
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def _batch(n=2):
+    g = torch.Generator().manual_seed(dist.get_rank() + 10)
+    return torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(
+        0, VOCAB, (n, SEQ), generator=g
+    )
+
+
+# ------------------------------------------------------------------------------ counts
+def _group_shapes(cfg):
+    """Parameter shapes per group, in the order fully_shard takes them."""
+    ref = GPT(cfg)
+    blocks = [[p.shape for p in b.parameters()] for b in ref.blocks]
+    root = [p.shape for n, p in ref.named_parameters() if not n.startswith("blocks.")]
+    return [root, *blocks]
+
+
+def _row(shapes, ws):
+    return sum(math.ceil(s[0] / ws) * math.prod(s[1:]) for s in shapes)
+
+
+def _counts(reshard_after_forward):
+    cfg = _cfg()
+    ws = dist.get_world_size()
+    model = _sharded(cfg, reshard_after_forward=reshard_after_forward)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    groups = _group_shapes(cfg)
+    for step in range(2):  # the second step runs with prefetching on
+        x, y = _batch()
+        with CommDebugMode() as fwd:
+            loss = gpt_loss(model, x, y)
+        with CommDebugMode() as bwd:
+            loss.backward()
+        with CommDebugMode() as opt_comm:
+            opt.step()
+            opt.zero_grad()
+        assert fwd.get_comm_counts() == {"all_gather": 3}, (step, fwd)
+        resharded_blocks = 0 if reshard_after_forward is False else 2
+        expect = {"reduce_scatter": 3}
+        if resharded_blocks:
+            expect["all_gather"] = resharded_blocks
+        assert bwd.get_comm_counts() == expect, (step, bwd)
+        assert opt_comm.get_total_counts() == 0
+        # bytes: each rank contributes its padded row to an all-gather, and every row
+        # (plus one has-grad flag per parameter) to a reduction
+        assert fwd.get_total_bytes("all_gather") == 4 * sum(_row(g, ws) for g in groups)
+        reduce_bytes = 4 * ws * sum(_row(g, ws) + len(g) for g in groups)
+        assert bwd.get_total_bytes("reduce_scatter") == reduce_bytes
+        block_bytes = 4 * sum(_row(g, ws) for g in groups[1:])
+        assert bwd.get_total_bytes("all_gather") == (block_bytes if resharded_blocks else 0)
+
+
+@pytest.mark.parametrize("reshard_after_forward", [None, False])
+def test_collective_counts_and_bytes(reshard_after_forward):
+    run_on_ranks(2, _counts, reshard_after_forward=reshard_after_forward)
+
+
+def _counts_int():
+    model = _sharded(_cfg(), reshard_after_forward=2)
+    x, y = _batch()
+    loss = gpt_loss(model, x, y)
+    with CommDebugMode() as bwd:
+        loss.backward()
+    # backward re-gathers every group (root included: it was given 2 too) within its pair
+    sizes = sorted(r.group_size for r in bwd.records if r.kind == "all_gather")
+    assert sizes == [2, 2, 2], sizes
+
+
+def test_int_reshard_regathers_within_smaller_group():
+    run_on_ranks(4, _counts_int)
+
+
+# ------------------------------------------------------------------------------ controls
+def _unshard_reshard():
+    model = _sharded()
+    handle = model.blocks[0].unshard(async_op=True)
+    handle.wait()
+    w = model.blocks[0].attn.qkv.weight
+    assert not isinstance(w, DTensor) and w.shape == (90, 30)
+    model.blocks[0].reshard()
+    assert isinstance(model.blocks[0].attn.qkv.weight, DTensor)
+    model.unshard()
+    assert not isinstance(model.tok_emb.weight, DTensor)
+    model.reshard()
+    assert isinstance(model.tok_emb.weight, DTensor)
+
+
+def test_unshard_and_reshard():
+    run_on_ranks(2, _unshard_reshard)
+
+
+def _generate():
+    cfg = _cfg()
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    model = _sharded(cfg)
+    register_fsdp_forward_method(model, "generate")
+    prompt = torch.tensor([[1, 2]])
+    out = model.generate(prompt, 4)
+    assert torch.equal(out, ref.generate(prompt, 4))
+    for p in model.parameters():  # resharded after a no-grad call
+        assert isinstance(p, DTensor)
+
+
+def test_register_fsdp_forward_method_generate():
+    run_on_ranks(2, _generate)
+
+
+def _divide_factor():
+    cfg = _cfg()
+    a, b = _sharded(cfg), _sharded(cfg)
+    b.set_gradient_divide_factor(1.0)
+    x, y = _batch()
+    gpt_loss(a, x, y).backward()
+    gpt_loss(b, x, y).backward()
+    ws = dist.get_world_size()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(q.grad.to_local(), p.grad.to_local() * ws)
+
+
+def test_gradient_divide_factor_sums():
+    run_on_ranks(3, _divide_factor)
+
+
+def _keep_unsharded():
+    model = _sharded(reshard_after_forward=False)
+    model.set_reshard_after_backward(False)
+    x, y = _batch()
+    gpt_loss(model, x, y).backward()
+    assert not isinstance(model.blocks[1].mlp.fc.weight, DTensor)
+    with CommDebugMode() as comm:
+        gpt_loss(model, x, y).backward()
+    assert comm.get_comm_counts() == {"reduce_scatter": 3}  # nothing re-gathered
+    model.reshard()
+    for block in model.blocks:
+        block.reshard()
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_reshard_after_backward_false_keeps_parameters():
+    run_on_ranks(2, _keep_unsharded)
+
+
+def _not_last_backward():
+    cfg = _cfg()
+    a, b = _sharded(cfg), _sharded(cfg)
+    x, y = _batch(4)
+    gpt_loss(a, x, y).backward()
+    b.set_is_last_backward(False)
+    gpt_loss(b, x[:2], y[:2]).mul(0.5).backward()
+    b.set_is_last_backward(True)
+    gpt_loss(b, x[2:], y[2:]).mul(0.5).backward()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(q.grad.to_local(), p.grad.to_local(), rtol=1e-5, atol=1e-7)
+
+
+def test_set_is_last_backward_micro_batches():
+    run_on_ranks(2, _not_last_backward)
+
+
+def _dtype_and_state_dict():
+    cfg = _cfg()
+    model = _sharded(cfg)
+    model.double()
+    for p in model.parameters():
+        assert isinstance(p, DTensor) and p.dtype == torch.float64
+        assert p.to_local().dtype == torch.float64
+    x, y = _batch()
+    gpt_loss(model, x, y).backward()
+    assert all(p.grad.dtype == torch.float64 for p in model.parameters())
+    model.float()
+    # state_dict round trip between two sharded models
+    src = _sharded(cfg)
+    opt = torch.optim.SGD(src.parameters(), lr=0.1)
+    gpt_loss(src, x, y).backward()
+    opt.step()
+    dst = _sharded(cfg)
+    dst.load_state_dict(src.state_dict())
+    for p, q in zip(src.parameters(), dst.parameters(), strict=True):
+        assert torch.equal(p.full_tensor(), q.full_tensor())
+
+
+def test_dtype_conversion_and_state_dict_round_trip():
+    run_on_ranks(2, _dtype_and_state_dict)
+
+
+def _mp_output_dtype():
+    torch.manual_seed(0)
+    model = GPT(_cfg())
+    for block in model.blocks:
+        fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    root = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    fully_shard(model, mp_policy=root)
+    x, _ = _batch()
+    assert model(x).dtype == torch.float32
+    assert model.blocks[0](torch.randn(1, SEQ, 30)).dtype == torch.bfloat16  # inputs cast too
+
+
+def test_mixed_precision_output_dtype():
+    run_on_ranks(2, _mp_output_dtype)
+
+
+# ------------------------------------------------------------------------------ errors
+def _raises(exc, match, fn):
+    with pytest.raises(exc, match=match):
+        fn()
+
+
+def _errors():
+    ws = dist.get_world_size()
+    # fully_shard twice on one module
+    lin = nn.Linear(4, 4)
+    fully_shard(lin)
+    _raises(ValueError, "already passed to fully_shard", lambda: fully_shard(lin))
+    # a mesh whose ranks differ from the process group: our DeviceMesh refuses to exist
+    _raises(ValueError, rf"world size is {ws}", lambda: DeviceMesh("cpu", [0, 1]))
+    _raises(TypeError, "mesh must be a DeviceMesh", lambda: fully_shard(nn.Linear(2, 2), mesh="dp"))
+    # a 0-d parameter
+    m = nn.Linear(3, 3)
+    m.scale = nn.Parameter(torch.tensor(1.0))
+    _raises(ValueError, r"'scale' is 0-d", lambda: fully_shard(m))
+    assert not isinstance(m, FSDPModule) and not isinstance(m.weight, DTensor)  # untouched
+    # parameters on different devices
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3, device="meta"))
+    _raises(ValueError, "different devices.*meta", lambda: fully_shard(m))
+    # reshard_after_forward that does not divide the group
+    _raises(
+        ValueError,
+        rf"reshard_after_forward=3 must divide the shard group size {ws}",
+        lambda: fully_shard(nn.Linear(3, 3), reshard_after_forward=3),
+    )
+    _raises(
+        TypeError,
+        "reshard_after_forward must be",
+        lambda: fully_shard(nn.Linear(3, 3), reshard_after_forward=1.5),
+    )
+    # shard_placement_fn returning something else
+    _raises(
+        ValueError,
+        "shard_placement_fn must return Shard",
+        lambda: fully_shard(nn.Linear(3, 3), shard_placement_fn=lambda p: 1),
+    )
+    # a submodule's forward before the root's
+    model = _sharded()
+    _raises(
+        RuntimeError,
+        "ran before the forward of the fully_shard module FSDPGPT",
+        lambda: model.blocks[0](torch.randn(1, SEQ, 30)),
+    )
+    # deepcopy of a sharded module
+    _raises(RuntimeError, "deepcopy of a fully_shard module", lambda: copy.deepcopy(model))
+    # tied weight split across sibling groups with no common fully_shard call
+    torch.manual_seed(0)
+    tied = GPT(_cfg(tie_weights=True))
+    fully_shard(tied.head)
+    x, _ = _batch()
+    _raises(ValueError, "'weight' is tied to the Embedding.weight parameter", lambda: tied(x))
+
+
+def test_errors_are_clear_and_raised_on_every_rank():
+    run_on_ranks(4, _errors)
