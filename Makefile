@@ -17,7 +17,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -x -q tests
 
 train: $(VENV)/.installed
-	$(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) $(TRAIN_SCRIPT)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) $(TRAIN_SCRIPT) $(ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

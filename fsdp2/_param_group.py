@@ -139,20 +139,29 @@ class FSDPParamGroup:
         for p in self.params:
             p.ensure_unsharded(self.param_dtype, self.device)
         if self._post_forward_rows is not None:
-            pf = self.post_forward
-            rows = self._post_forward_rows
+            pf, kept = self.post_forward, self._post_forward_rows.view(-1)
+            rows = self._input_rows(pf.group, pf.size, kept.numel())
+            rows[0].copy_(kept)
+            _replicate_first_row(rows)
+            self._post_forward_rows = None
             self._gather = C.all_gather_rows(
-                rows.view(-1), pf.group, pf.size, label=info.shard_mesh_dim, mesh=info.mesh
+                rows, pf.group, pf.size, label=info.shard_mesh_dim, mesh=info.mesh
             )
             return
-        row = torch.empty(self._row_numel(), dtype=self.param_dtype, device=self.device)
+        rows = self._input_rows(info.shard_group, info.shard_size, self._row_numel())
         offset = 0
         for p in self.params:
-            p.copy_shard_into(row[offset : offset + p.padded_numel])
+            p.copy_shard_into(rows[0, offset : offset + p.padded_numel])
             offset += p.padded_numel
+        _replicate_first_row(rows)
         self._gather = C.all_gather_rows(
-            row, info.shard_group, info.shard_size, label=info.shard_mesh_dim, mesh=info.mesh
+            rows, info.shard_group, info.shard_size, label=info.shard_mesh_dim, mesh=info.mesh
         )
+
+    def _input_rows(self, group, k: int, n: int) -> torch.Tensor:
+        """All-gather input: ``k`` copies of our row on gloo (all-to-all), one elsewhere."""
+        copies = k if C.wants_replicated_input(group) else 1
+        return C.POOL.get((copies, n), self.param_dtype, self.device)
 
     def wait_for_unshard(self) -> None:
         """Finish a started all-gather and swap the unsharded parameters in."""
@@ -160,7 +169,6 @@ class FSDPParamGroup:
             return
         out = self._gather.wait()
         self._gather = None
-        self._post_forward_rows = None
         rows = out.view(self.mesh_info.shard_size, -1)
         with contextlib.ExitStack() as stack:
             # The copy must not bump the version counter autograd checks on saved tensors.
@@ -225,8 +233,14 @@ class FSDPParamGroup:
             return None
         rows = self._gradient_rows(with_grad, grads)
         info = self.mesh_info
+        hsdp = info.replicate_mesh_dim is not None and self.requires_all_reduce
         collective = C.reduce_rows(
-            rows, info.shard_rank, info.shard_group, label=info.shard_mesh_dim, mesh=info.mesh
+            rows,
+            info.shard_rank,
+            info.shard_group,
+            divide_by=1.0 if hsdp else self._divide_factor(),
+            label=info.shard_mesh_dim,
+            mesh=info.mesh,
         )
         return PendingReduce(self, collective, with_grad)
 
@@ -244,7 +258,7 @@ class FSDPParamGroup:
         flags = [1.0 if g is not None else 0.0 for g in grads]
         pieces.append(torch.tensor([flags], dtype=dtype, device=self.device).expand(ws, -1))
         width = sum(p.padded_numel for p in params) + len(params)
-        rows = torch.empty((ws, width), dtype=self.reduce_dtype, device=self.device)
+        rows = C.POOL.get((ws, width), self.reduce_dtype, self.device)
         torch._chunk_cat(pieces, dim=0, num_chunks=ws, out=rows)
         return rows
 
@@ -257,11 +271,9 @@ class FSDPParamGroup:
             C.all_reduce_sum(
                 row, info.replicate_group, label=info.replicate_mesh_dim, mesh=info.mesh
             )
+            row.div_(self._divide_factor())  # the flags too: only their sign is read
         n = row.numel() - len(params)
         values, flags = row[:n], row[n:].tolist()
-        factor = self._divide_factor()
-        if factor != 1:
-            values.div_(factor)
         if self.offload:
             values = values.to("cpu").pin_memory() if self.pin_memory else values.to("cpu")
         offset = 0
@@ -287,6 +299,11 @@ class FSDPParamGroup:
             p.unsharded_param is not None and p.unsharded_param.grad is not None
             for p in self.params
         )
+
+
+def _replicate_first_row(rows: torch.Tensor) -> None:
+    if rows.size(0) > 1:
+        rows[1:].copy_(rows[0].expand(rows.size(0) - 1, -1))
 
 
 def _alias_unsharded(p: FSDPParam) -> None:

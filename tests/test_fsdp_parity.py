@@ -6,7 +6,9 @@ steps: ours (fully_shard on each block and the root), a single-process reference
 the whole global batch, and, where the meaning is shared, torch.distributed.fsdp.fully_shard.
 
 Tolerances. Against torch FSDP2 the results are compared exactly where both run the same
-arithmetic (they do in fp32: same chunking, same sum order on gloo). Against one process
+arithmetic (fp32 on one or two ranks: same chunking, and a sum of two is order-free); from
+three ranks on the two libraries sum gradients in different orders, so the reference
+tolerance below applies. Against one process
 the gradient of a split batch is summed in another order; with AdamW that rounding reaches
 about 1e-6 on weights of size ~0.1, and torch FSDP2 shows the same gap, so the reference
 comparison is ``rtol=1e-5, atol=2e-6``.
@@ -134,7 +136,9 @@ def _parity(cfg_kw=None, shard_kw=None, accumulate=None, meta=False, setup=None,
             their_kw["shard_placement_fn"] = _torch_shard_dim1
         theirs = _build(cfg, torch_fully_shard, **their_kw)
         their_losses = _train(theirs, batches, local=True, accumulate=accumulate)
-        _compare(model, theirs, losses, their_losses, exact=True)
+        # two ranks: a + b is b + a, so both libraries agree to the bit; from three ranks on
+        # the gradient sum runs in a different order (ours: rank order; torch: gloo's ring)
+        _compare(model, theirs, losses, their_losses, exact=ws <= 2)
 
 
 # ------------------------------------------------------------------------------- world sizes

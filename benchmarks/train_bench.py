@@ -1,0 +1,210 @@
+"""Step time and memory of one GPT workload under our fully_shard, torch's FSDP2, DDP, and one
+process, in one run.
+
+    python benchmarks/train_bench.py                 # the full table (about 100M parameters)
+    python benchmarks/train_bench.py --small         # a quick smoke run
+
+Each arm runs in its own ``torchrun`` job (so peak RSS is that arm's alone) with the same
+global batch, one torch thread per rank, the same number of warm-up and timed steps. Step
+time is the median over the timed steps of forward + backward + AdamW step; memory is the
+peak RSS of rank 0 and the bytes of its parameter, gradient and optimizer-state tensors.
+Results go to a rich table and to ``bench_results/train.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="fully_shard training benchmark")
+    p.add_argument("--small", action="store_true", help="a small model, for a quick check")
+    p.add_argument("--steps", type=int, default=5, help="timed steps")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--global-batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--skip-ws4", action="store_true", help="skip the world-size-4 memory rows")
+    return p.parse_args(argv)
+
+
+def model_config(small: bool, seq: int):
+    from examples.gpt import GPTConfig
+
+    if small:
+        return GPTConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, max_seq_len=seq)
+    return GPTConfig(vocab_size=8192, dim=768, n_layers=12, n_heads=12, max_seq_len=seq)
+
+
+# ------------------------------------------------------------------------------ one arm
+def build(arm: str, cfg):
+    import torch
+
+    from examples.gpt import GPT
+
+    torch.manual_seed(0)
+    if arm in ("ours", "torch_fsdp"):
+        if arm == "ours":
+            from fsdp2 import fully_shard
+        else:
+            from torch.distributed.fsdp import fully_shard
+        with torch.device("meta"):
+            model = GPT(cfg)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        model.reset_parameters()
+        return model
+    model = GPT(cfg)
+    if arm == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    return model
+
+
+def local_bytes(model, opt) -> int:
+    def nbytes(t):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    total = 0
+    for p in model.parameters():
+        total += nbytes(p) + (nbytes(p.grad) if p.grad is not None else 0)
+        total += sum(nbytes(v) for v in opt.state.get(p, {}).values() if v.ndim)
+    return total
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from examples.gpt import gpt_loss
+
+    torch.set_num_threads(1)
+    arm = args.worker
+    if arm != "single":
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if arm != "single" else 0
+    ws = dist.get_world_size() if arm != "single" else 1
+    cfg = model_config(args.small, args.seq)
+    model = build(arm, cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    per_rank = args.global_batch // ws
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, cfg.vocab_size, (per_rank, args.seq), generator=g)
+    y = torch.randint(0, cfg.vocab_size, (per_rank, args.seq), generator=g)
+    times = []
+    for _ in range(args.warmup + args.steps):
+        if arm != "single":
+            dist.barrier()
+        t0 = time.perf_counter()
+        loss = gpt_loss(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+    result = {
+        "arm": arm,
+        "world_size": ws,
+        "params": cfg.num_params(),
+        "step_s": statistics.median(times[args.warmup :]),
+        "steps_s": times[args.warmup :],
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "state_mb": local_bytes(model, opt) / 2**20,
+        "loss": loss.item(),
+    }
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(result))
+    if arm != "single":
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------ driver
+def run_arm(arm: str, ws: int, args, progress=None) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    flags = [
+        "--worker", arm, "--out", out, "--steps", str(args.steps), "--warmup",
+        str(args.warmup), "--global-batch", str(args.global_batch), "--seq", str(args.seq),
+    ] + (["--small"] if args.small else [])  # fmt: skip
+    if arm == "single":
+        cmd = [sys.executable, __file__, *flags]
+    else:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={ws}", __file__, *flags,
+        ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"benchmark arm {arm} (ws {ws}) failed:\n{proc.stderr[-4000:]}")
+    result = json.loads(Path(out).read_text())
+    os.unlink(out)
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker(args)
+        return
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    plan = [("ours", 2), ("torch_fsdp", 2), ("ddp", 2), ("single", 1), ("ours", 1)]
+    if not args.skip_ws4:
+        plan += [("ours", 4), ("torch_fsdp", 4), ("ddp", 4)]
+    results = []
+    console = Console()
+    with Progress(console=console) as progress:
+        task = progress.add_task("benchmark arms", total=len(plan))
+        for arm, ws in plan:
+            progress.update(task, description=f"{arm} ws={ws}")
+            results.append(run_arm(arm, ws, args))
+            progress.advance(task)
+
+    def find(arm, ws):
+        return next((r for r in results if r["arm"] == arm and r["world_size"] == ws), None)
+
+    table = Table(title=f"GPT {results[0]['params'] / 1e6:.1f}M params, global batch "
+                  f"{args.global_batch}x{args.seq}, median of {args.steps} steps")  # fmt: skip
+    for col in ("arm", "ws", "step (s)", "vs torch FSDP2", "vs DDP", "peak RSS (MB)",
+                "state (MB)"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for r in results:
+        ws = r["world_size"]
+        fsdp, ddp = find("torch_fsdp", ws), find("ddp", ws)
+        if ws == 1:
+            ddp = find("single", 1)  # at one rank, compare with the plain model
+        ratio_f = f"{r['step_s'] / fsdp['step_s']:.2f}x" if fsdp else "-"
+        ratio_d = f"{r['step_s'] / ddp['step_s']:.2f}x" if ddp else "-"
+        table.add_row(
+            r["arm"], str(ws), f"{r['step_s']:.3f}", ratio_f, ratio_d,
+            f"{r['peak_rss_mb']:.0f}", f"{r['state_mb']:.0f}",
+        )  # fmt: skip
+    console.print(table)
+    console.print("(at ws=1 the 'vs DDP' column compares with the plain single-process model)")
+    out = ROOT / "bench_results" / "train.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    console.print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Train a small byte-level GPT with fully_shard on every block and on the root.
+
+The text is the source of Python's standard library (every machine with Python has it), read
+as bytes, so the vocabulary is 256. ``--data PATH`` trains on any text file or folder.
+
+    make train                                   # torchrun, 2 CPU processes, gloo
+    python examples/train_gpt.py --nproc 4 --steps 100 --dim 256 --bf16
+
+Run without torchrun, the script starts torchrun itself with ``--nproc`` processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import resource
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from examples.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
+from fsdp2 import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", type=Path, default=None, help="text file or folder (default: stdlib)")
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--dim", type=int, default=192)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 gradient reduction")
+    p.add_argument("--nproc", type=int, default=2, help="processes, when not under torchrun")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--log-every", type=int, default=50)
+    return p.parse_args(argv)
+
+
+def relaunch_under_torchrun(args: argparse.Namespace) -> int:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={args.nproc}", __file__, *sys.argv[1:],
+    ]  # fmt: skip
+    return subprocess.call(cmd)
+
+
+# ------------------------------------------------------------------------------------ data
+def load_bytes(path: Path | None, limit: int = 16 << 20) -> torch.Tensor:
+    """Concatenate text files (sorted, so every rank reads the same bytes) up to ``limit``."""
+    root = path or Path(sysconfig.get_paths()["stdlib"])
+    files = [root] if root.is_file() else sorted(root.rglob("*.py" if path is None else "*"))
+    chunks, total = [], 0
+    for f in files:
+        if not f.is_file():
+            continue
+        data = f.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= limit:
+            break
+    if total < 1024:
+        raise SystemExit(f"train_gpt: found only {total} bytes of text under {root}.")
+    return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8)
+
+
+def batches(data: torch.Tensor, batch: int, seq: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=g)
+        window = torch.stack([data[s : s + seq + 1] for s in starts.tolist()]).long()
+        yield window[:, :-1], window[:, 1:]
+
+
+# ------------------------------------------------------------------------------------ model
+def build_model(args, cfg: GPTConfig) -> GPT:
+    torch.manual_seed(0)  # same initial weights on every rank
+    with torch.device("meta"):
+        model = GPT(cfg)
+    policy = MixedPrecisionPolicy()
+    if args.bf16:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    register_fsdp_forward_method(model, "generate")  # gathers parameters around generate()
+    model.to_empty(device="cpu")  # each rank allocates only its shards
+    model.reset_parameters()
+    return model
+
+
+def lr_at(step: int, args) -> float:
+    warmup = max(1, args.steps // 20)
+    if step < warmup:
+        return args.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, args.steps - warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def state_bytes(model, opt) -> int:
+    """Bytes of this rank's parameter, gradient and optimizer-state shards."""
+    total = 0
+    for p in model.parameters():
+        total += p.to_local().numel() * p.element_size()
+        if p.grad is not None:
+            total += p.grad.to_local().numel() * p.grad.element_size()
+        for v in opt.state.get(p, {}).values():
+            if isinstance(v, torch.Tensor) and v.ndim:
+                total += v.to_local().numel() * v.element_size()
+    return total
+
+
+# ------------------------------------------------------------------------------------ main
+def train(args) -> None:
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(
+        vocab_size=256, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+        max_seq_len=args.seq,
+    )  # fmt: skip
+    model = build_model(args, cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    data = load_bytes(args.data)
+    stream = batches(data, args.batch, args.seq, seed=1000 + rank)
+
+    progress = None
+    if rank == 0:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        console = Console()
+        console.print(
+            f"[bold]fully_shard GPT[/]: {cfg.num_params() / 1e6:.2f}M parameters, "
+            f"{ws} ranks, {len(data) / 1e6:.1f} MB of text, batch {args.batch}x{args.seq} per rank"
+            + (", bf16" if args.bf16 else "")
+        )
+        progress = Progress(
+            TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+            TimeRemainingColumn(), console=console,
+        )  # fmt: skip
+        progress.start()
+        task = progress.add_task("train", total=args.steps, loss="-", tps="-")
+
+    logged: list[tuple[int, float]] = []
+    tokens = 0
+    start = time.perf_counter()
+    for step in range(args.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args)
+        x, y = next(stream)
+        loss = gpt_loss(model, x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        tokens += x.numel() * ws
+        if step % args.log_every == 0 or step == args.steps - 1:
+            value = loss.detach().clone()
+            dist.all_reduce(value)
+            logged.append((step, value.item() / ws))
+        if progress is not None:
+            tps = tokens / (time.perf_counter() - start)
+            shown = f"{logged[-1][1]:.3f}" if logged else "-"
+            progress.update(task, advance=1, loss=shown, tps=f"{tps:,.0f}")
+    elapsed = time.perf_counter() - start
+
+    mine = {
+        "rank": rank,
+        "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "state_mb": state_bytes(model, opt) / 2**20,
+    }
+    everyone = [None] * ws
+    dist.all_gather_object(everyone, mine)
+    sample = model.generate(torch.tensor([list(b"def ")]), 48)  # every rank takes part
+    if rank == 0:
+        progress.stop()
+        report(console, logged, everyone, tokens / elapsed, elapsed)
+        text = bytes(sample[0].tolist()).decode("utf-8", errors="replace")
+        console.print("sample:", repr(text))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def report(console, logged, ranks, tps, elapsed) -> None:
+    from rich.table import Table
+
+    losses = Table(title="loss")
+    losses.add_column("step", justify="right")
+    losses.add_column("loss", justify="right")
+    for step, value in logged:
+        losses.add_row(str(step), f"{value:.4f}")
+    console.print(losses)
+    mem = Table(title="per-rank memory")
+    for col in ("rank", "peak RSS (MB)", "param+grad+optim shards (MB)"):
+        mem.add_column(col, justify="right")
+    for r in ranks:
+        mem.add_row(str(r["rank"]), f"{r['rss_mb']:.0f}", f"{r['state_mb']:.1f}")
+    console.print(mem)
+    first, last = logged[0][1], logged[-1][1]
+    console.print(
+        f"tokens/s {tps:,.0f} over {elapsed:.1f} s; loss {first:.4f} -> {last:.4f} "
+        f"({100 * (first - last) / first:.1f}% lower)"
+    )
+
+
+def main() -> None:
+    args = parse_args()
+    if "RANK" not in os.environ:
+        raise SystemExit(relaunch_under_torchrun(args))
+    train(args)
+
+
+if __name__ == "__main__":
+    main()
