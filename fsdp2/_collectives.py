@@ -76,7 +76,7 @@ class BufferPool:
     per pass. At most ``keep`` buffers per key are held, so memory stays bounded.
     """
 
-    def __init__(self, keep: int = 2) -> None:
+    def __init__(self, keep: int = 1) -> None:
         self.keep = keep
         self._free: dict[tuple, list[torch.Tensor]] = {}
 
@@ -98,7 +98,9 @@ class BufferPool:
 POOL = BufferPool()
 
 
-def all_gather_rows(rows_in: torch.Tensor, group, group_size: int, *, label=None, mesh=None) -> Collective:
+def all_gather_rows(
+    rows_in: torch.Tensor, group, group_size: int, *, label=None, mesh=None
+) -> Collective:
     """All-gather: every rank contributes ``rows_in[0]`` (``(group_size, N)``, see below);
     the result is ``(group_size, N)`` with row ``r`` from rank ``r``.
 
@@ -164,7 +166,9 @@ def reduce_rows(
 
         return Collective(work, finish)
     out = torch.empty(rows.size(1), dtype=rows.dtype, device=rows.device)
-    work = _reduce_scatter_flat(out, rows.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True)
+    work = _reduce_scatter_flat(
+        out, rows.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True
+    )
 
     def finish_rs():
         POOL.put(rows)
