@@ -17,54 +17,17 @@ divide. ``dtensor.debug`` records them by meaning: one ``all_gather``, one
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 
 from dtensor import debug
-
-# torch 2.13 prefers the *_single names; older releases (2.11 on the GPU hosts) only have
-# the *_tensor ones.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _is_gloo(group) -> bool:
-    return "gloo" in str(dist.get_backend(group)).lower()
+from dtensor._collectives import Pending, _all_gather_flat, _dim_label, _reduce_scatter_flat
+from dtensor._collectives import _backend_is_gloo as _is_gloo
 
 
 def wants_replicated_input(group) -> bool:
     """Whether ``all_gather_rows`` needs the row once per rank (gloo's all-to-all route)."""
     return _is_gloo(group)
-
-
-def _dim_label(mesh, mesh_dim: int | None):
-    if mesh_dim is None:
-        return None
-    names = mesh.mesh_dim_names
-    return names[mesh_dim] if names else mesh_dim
-
-
-class Collective:
-    """An issued (possibly still running) collective; ``wait()`` returns its result once."""
-
-    __slots__ = ("_work", "_finish", "_done", "_result")
-
-    def __init__(self, work, finish: Callable[[], object]) -> None:
-        self._work = work
-        self._finish = finish
-        self._done = False
-        self._result = None
-
-    def wait(self):
-        if not self._done:
-            if self._work is not None:
-                self._work.wait()
-            self._result = self._finish()
-            self._finish = None
-            self._done = True
-        return self._result
 
 
 class BufferPool:
@@ -100,7 +63,7 @@ POOL = BufferPool()
 
 def all_gather_rows(
     rows_in: torch.Tensor, group, group_size: int, *, label=None, mesh=None
-) -> Collective:
+) -> Pending:
     """All-gather: every rank contributes ``rows_in[0]`` (``(group_size, N)``, see below);
     the result is ``(group_size, N)`` with row ``r`` from rank ``r``.
 
@@ -122,7 +85,7 @@ def all_gather_rows(
         POOL.put(rows_in)
         return out
 
-    return Collective(work, finish)
+    return Pending(work, finish)
 
 
 def _combine(recv: torch.Tensor, divide_by: float) -> torch.Tensor:
@@ -141,7 +104,7 @@ def _combine(recv: torch.Tensor, divide_by: float) -> torch.Tensor:
 
 def reduce_rows(
     rows: torch.Tensor, rank: int, group, *, divide_by: float = 1.0, label=None, mesh=None
-) -> Collective:
+) -> Pending:
     """Sum ``rows`` (``(group_size, N)``, row ``r`` destined for rank ``r``) over the group
     and divide by ``divide_by``.
 
@@ -153,7 +116,7 @@ def reduce_rows(
     k = rows.size(0)
     debug.record("reduce_scatter", _dim_label(mesh, label), k, rows.numel() * rows.element_size())
     if k == 1:
-        return Collective(None, lambda: _combine(rows, divide_by))
+        return Pending(None, lambda: _combine(rows, divide_by))
     if _is_gloo(group):
         recv = POOL.get(tuple(rows.shape), rows.dtype, rows.device)
         work = dist.all_to_all_single(recv, rows, group=group, async_op=True)
@@ -164,7 +127,7 @@ def reduce_rows(
             POOL.put(recv)
             return total
 
-        return Collective(work, finish)
+        return Pending(work, finish)
     out = torch.empty(rows.size(1), dtype=rows.dtype, device=rows.device)
     work = _reduce_scatter_flat(
         out, rows.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True
@@ -174,7 +137,7 @@ def reduce_rows(
         POOL.put(rows)
         return out.div_(divide_by) if divide_by != 1 else out
 
-    return Collective(work, finish_rs)
+    return Pending(work, finish_rs)
 
 
 def all_reduce_sum(t: torch.Tensor, group, *, label=None, mesh=None) -> None:

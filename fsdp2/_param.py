@@ -133,9 +133,8 @@ class FSDPParam:
         offset = chunk_offsets(self.rows, info.shard_size)[info.shard_rank]
         data = param.detach()
         local = data.narrow(self.shard_dim, offset, self.local_rows)
-        if data.device.type != "meta" and data.device != device:
-            local = local.to(device)
-        local = local.clone(memory_format=torch.contiguous_format)
+        target = data.device if data.device.type == "meta" else device
+        local = local.to(target, memory_format=torch.contiguous_format, copy=True)
         spec = DTensorSpec(
             info.mesh,
             info.placements(self.shard_dim),

@@ -86,7 +86,7 @@ class FSDPParamGroup:
         self.unshard_in_backward = True
         # runtime
         self.is_unsharded = False
-        self._gather: C.Collective | None = None
+        self._gather: C.Pending | None = None
         self._post_forward_rows: torch.Tensor | None = None
 
     # --------------------------------------------------------------------------- dtypes

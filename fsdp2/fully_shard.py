@@ -500,9 +500,7 @@ def _collect_params(modules, ignored: set[int]):
 
     for i, m in enumerate(modules):
         visit(m, f"[{i}]." if len(modules) > 1 else "", True)
-    for key, entry in entries.items():
-        entry.append(names[key])
-    return [(p, locs, owner) for p, locs, owner, _ in entries.values()], names
+    return [tuple(entry) for entry in entries.values()], names
 
 
 def _check_params(entries, names: dict[int, str], device: torch.device) -> None:
