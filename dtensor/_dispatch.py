@@ -125,11 +125,15 @@ def _meta_outputs(func, leaves, treespec) -> list:
         return x
 
     margs, mkwargs = tree_unflatten([to_meta(x) for x in leaves], treespec)
+    if mkwargs.get("device") is not None:
+        # empty_like(x, device="cpu") (as module.to_empty() calls it) would otherwise
+        # allocate a real tensor of the *global* shape here, and the cache would keep it.
+        mkwargs = {**mkwargs, "device": torch.device("meta")}
     out = func(*margs, **mkwargs)
     if _is_inplace(func):
         return []
     flat, _ = tree_flatten(out)
-    return [m if isinstance(m, torch.Tensor) else None for m in flat]
+    return [to_meta(m) if isinstance(m, torch.Tensor) else None for m in flat]
 
 
 def _is_inplace(func) -> bool:

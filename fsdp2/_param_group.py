@@ -161,7 +161,7 @@ class FSDPParamGroup:
     def _input_rows(self, group, k: int, n: int) -> torch.Tensor:
         """All-gather input: ``k`` copies of our row on gloo (all-to-all), one elsewhere."""
         copies = k if C.wants_replicated_input(group) else 1
-        return C.POOL.get((copies, n), self.param_dtype, self.device)
+        return torch.empty((copies, n), dtype=self.param_dtype, device=self.device)
 
     def wait_for_unshard(self) -> None:
         """Finish a started all-gather and swap the unsharded parameters in."""
@@ -258,7 +258,7 @@ class FSDPParamGroup:
         flags = [1.0 if g is not None else 0.0 for g in grads]
         pieces.append(torch.tensor([flags], dtype=dtype, device=self.device).expand(ws, -1))
         width = sum(p.padded_numel for p in params) + len(params)
-        rows = C.POOL.get((ws, width), self.reduce_dtype, self.device)
+        rows = torch.empty((ws, width), dtype=self.reduce_dtype, device=self.device)
         torch._chunk_cat(pieces, dim=0, num_chunks=ws, out=rows)
         return rows
 

@@ -147,3 +147,24 @@ def _check_errors():
 
 def test_unsupported_and_mixed_inputs_fail_clearly():
     run_on_ranks(2, _check_errors)
+
+
+def _check_meta_to_device_keeps_no_global_tensor():
+    from dtensor import _dispatch
+
+    mesh = init_device_mesh("cpu", (2,))
+    rows = 3 if dist.get_rank() == 0 else 2
+    local = torch.empty(rows, 4, device="meta")
+    meta = DTensor.from_local(local, mesh, [Shard(0)], shape=(5, 4), stride=(4, 1))
+    _dispatch._CACHE.clear()
+    real = torch.empty_like(meta, device="cpu")  # what module.to_empty() calls
+    assert real.to_local().device.type == "cpu" and real.shape == (5, 4)
+    assert real.to_local().shape == (rows, 4)
+    # The shape-only pass must run on meta: a real tensor there would be the *global* size,
+    # allocated on every rank and then kept alive by the dispatch cache.
+    cached = [m for _, metas in _dispatch._CACHE.values() for m in metas if m is not None]
+    assert cached and all(m.device.type == "meta" for m in cached)
+
+
+def test_meta_to_device_allocates_only_the_shard():
+    run_on_ranks(2, _check_meta_to_device_keeps_no_global_tensor)
