@@ -3,6 +3,7 @@ process, in one run.
 
     python benchmarks/train_bench.py                 # the full table (about 100M parameters)
     python benchmarks/train_bench.py --small         # a quick smoke run
+    python benchmarks/train_bench.py --device cuda --size 1b --bf16   # the GPU arm (one GPU)
 
 Each arm runs in its own ``torchrun`` job (so peak RSS is that arm's alone) with the same
 global batch, one torch thread per rank, the same number of warm-up and timed steps. Step
@@ -41,42 +42,74 @@ def parse_args(argv=None):
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--skip-ws4", action="store_true", help="skip the world-size-4 memory rows")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: ours vs torch FSDP2 vs the plain model on one GPU (NCCL)",
+    )
+    p.add_argument("--size", choices=("100m", "1b"), default="100m", help="GPT size")
+    p.add_argument("--bf16", action="store_true", help="bf16 params, fp32 reduce (both FSDPs)")
+    p.add_argument("--offload", action="store_true", help="also run ours with CPUOffloadPolicy")
+    p.add_argument("--layers", type=int, default=None, help="override the number of blocks")
     return p.parse_args(argv)
 
 
-def model_config(small: bool, seq: int):
+def model_config(small: bool, seq: int, size: str = "100m", layers: int | None = None):
     from examples.gpt import GPTConfig
 
+    if size == "1b":  # ~1.0B parameters
+        return GPTConfig(vocab_size=32000, dim=2048, n_layers=layers or 18, n_heads=16,
+                         max_seq_len=seq)  # fmt: skip
     if small:
         return GPTConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, max_seq_len=seq)
     return GPTConfig(vocab_size=8192, dim=768, n_layers=12, n_heads=12, max_seq_len=seq)
 
 
 # ------------------------------------------------------------------------------ one arm
-def build(arm: str, cfg):
+def build(arm: str, cfg, device: str = "cpu", bf16: bool = False):
     import torch
 
     from examples.gpt import GPT
 
     torch.manual_seed(0)
-    if arm in ("ours", "torch_fsdp"):
-        if arm == "ours":
-            from fsdp2 import fully_shard
+    if arm in ("ours", "torch_fsdp", "ours_offload"):
+        if arm == "torch_fsdp":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            extra = {}
         else:
-            from torch.distributed.fsdp import fully_shard
+            from fsdp2 import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+            extra = {"offload_policy": CPUOffloadPolicy()} if arm == "ours_offload" else {}
+        if bf16:
+            extra["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
         with torch.device("meta"):
             model = GPT(cfg)
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        model.to_empty(device="cpu")
+            fully_shard(block, **extra)
+        fully_shard(model, **extra)
+        model.to_empty(device="cpu" if arm == "ours_offload" else device)
         torch.manual_seed(0)
         model.reset_parameters()
         return model
-    model = GPT(cfg)
+    model = GPT(cfg).to(device)
     if arm == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     return model
+
+
+def peak_flops(device: str) -> float | None:
+    """Dense bf16 peak of the GPU, for MFU (None when unknown)."""
+    import torch
+
+    if device != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    for key, flops in (("H100", 989e12), ("H200", 989e12), ("A100", 312e12)):
+        if key in name:
+            return flops
+    return None
 
 
 def local_bytes(model, opt) -> int:
@@ -91,10 +124,9 @@ def local_bytes(model, opt) -> int:
     return total
 
 
-def tracked_peak_bytes(model, opt, loss_fn) -> int:
+def tracked_peak_bytes(model, opt, loss_fn, device) -> int:
     """Peak live tensor bytes over one training step, by PyTorch's MemTracker (an oracle
     that measures every arm the same way)."""
-    import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
@@ -103,7 +135,7 @@ def tracked_peak_bytes(model, opt, loss_fn) -> int:
         loss_fn().backward()
         opt.step()
         opt.zero_grad()
-    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    return tracker.get_tracker_snapshot("peak")[device]["Total"]
 
 
 def worker(args) -> None:
@@ -112,35 +144,54 @@ def worker(args) -> None:
 
     from examples.gpt import gpt_loss
 
-    torch.set_num_threads(1)
     arm = args.worker
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        torch.set_num_threads(1)
     if arm != "single":
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank() if arm != "single" else 0
     ws = dist.get_world_size() if arm != "single" else 1
-    cfg = model_config(args.small, args.seq)
-    model = build(arm, cfg)
+    cfg = model_config(args.small, args.seq, args.size, args.layers)
+    device = "cuda" if cuda else "cpu"
+    model = build(arm, cfg, device, args.bf16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     per_rank = args.global_batch // ws
     g = torch.Generator().manual_seed(rank)
-    x = torch.randint(0, cfg.vocab_size, (per_rank, args.seq), generator=g)
-    y = torch.randint(0, cfg.vocab_size, (per_rank, args.seq), generator=g)
+    x = torch.randint(0, cfg.vocab_size, (per_rank, args.seq), generator=g).to(device)
+    y = torch.randint(0, cfg.vocab_size, (per_rank, args.seq), generator=g).to(device)
+    autocast = torch.autocast(
+        "cuda", torch.bfloat16, enabled=cuda and args.bf16 and arm == "single"
+    )
     times = []
     for _ in range(args.warmup + args.steps):
         if arm != "single":
             dist.barrier()
         t0 = time.perf_counter()
-        loss = gpt_loss(model, x, y)
+        with autocast:
+            loss = gpt_loss(model, x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    tracked = tracked_peak_bytes(model, opt, lambda: gpt_loss(model, x, y))
+    gpu_peak = torch.cuda.max_memory_allocated() if cuda else 0
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    tracked = tracked_peak_bytes(model, opt, lambda: gpt_loss(model, x, y), dev)
+    step_s = statistics.median(times[args.warmup :])
+    flops = peak_flops(args.device)
     result = {
         "arm": arm,
         "world_size": ws,
         "params": cfg.num_params(),
-        "step_s": statistics.median(times[args.warmup :]),
+        "step_s": step_s,
+        "gpu_peak_mb": gpu_peak / 2**20,
+        "mfu": 6 * cfg.num_params() * args.global_batch * args.seq / step_s / flops / ws
+        if flops
+        else None,
         "steps_s": times[args.warmup :],
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "state_mb": local_bytes(model, opt) / 2**20,
@@ -161,7 +212,9 @@ def run_arm(arm: str, ws: int, args, progress=None) -> dict:
     flags = [
         "--worker", arm, "--out", out, "--steps", str(args.steps), "--warmup",
         str(args.warmup), "--global-batch", str(args.global_batch), "--seq", str(args.seq),
-    ] + (["--small"] if args.small else [])  # fmt: skip
+        "--device", args.device, "--size", args.size,
+    ] + (["--small"] if args.small else []) + (["--bf16"] if args.bf16 else []) + (
+        ["--layers", str(args.layers)] if args.layers else [])  # fmt: skip
     if arm == "single":
         cmd = [sys.executable, __file__, *flags]
     else:
@@ -191,9 +244,13 @@ def main() -> None:
     from rich.progress import Progress
     from rich.table import Table
 
-    plan = [("ours", 2), ("torch_fsdp", 2), ("ddp", 2), ("single", 1), ("ours", 1)]
-    if not args.skip_ws4:
-        plan += [("ours", 4), ("torch_fsdp", 4), ("ddp", 4)]
+    if args.device == "cuda":
+        plan = [("ours", 1), ("torch_fsdp", 1), ("single", 1)]
+        plan += [("ours_offload", 1)] if args.offload else []
+    else:
+        plan = [("ours", 2), ("torch_fsdp", 2), ("ddp", 2), ("single", 1), ("ours", 1)]
+        if not args.skip_ws4:
+            plan += [("ours", 4), ("torch_fsdp", 4), ("ddp", 4)]
     results = []
     console = Console()
     with Progress(console=console) as progress:
@@ -211,6 +268,10 @@ def main() -> None:
     for col in ("arm", "ws", "step (s)", "vs torch FSDP2", "vs DDP", "peak RSS (MB)",
                 "RSS vs DDP", "tracked peak (MB)", "tracked vs DDP", "state (MB)"):  # fmt: skip
         table.add_column(col, justify="right")
+    cuda = args.device == "cuda"
+    if cuda:
+        table.add_column("GPU peak (MB)", justify="right")
+        table.add_column("MFU", justify="right")
     for r in results:
         ws = r["world_size"]
         fsdp, ddp = find("torch_fsdp", ws), find("ddp", ws)
@@ -218,14 +279,15 @@ def main() -> None:
             ddp = find("single", 1)  # at one rank, compare with the plain model
         ratio_f = f"{r['step_s'] / fsdp['step_s']:.2f}x" if fsdp else "-"
         ratio_d = f"{r['step_s'] / ddp['step_s']:.2f}x" if ddp else "-"
+        gpu = [f"{r['gpu_peak_mb']:.0f}", f"{r['mfu']:.1%}" if r["mfu"] else "-"] if cuda else []
         table.add_row(
             r["arm"], str(ws), f"{r['step_s']:.3f}", ratio_f, ratio_d,
             f"{r['peak_rss_mb']:.0f}", _ratio(r, ddp, "peak_rss_mb"), f"{r['tracked_peak_mb']:.0f}",
-            _ratio(r, ddp, "tracked_peak_mb"), f"{r['state_mb']:.0f}",
+            _ratio(r, ddp, "tracked_peak_mb"), f"{r['state_mb']:.0f}", *gpu,
         )  # fmt: skip
     console.print(table)
     console.print("(at ws=1 the 'vs DDP' column compares with the plain single-process model)")
-    out = ROOT / "bench_results" / "train.json"
+    out = ROOT / "bench_results" / ("train_cuda.json" if cuda else "train.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     console.print(f"wrote {out}")

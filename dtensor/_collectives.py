@@ -21,8 +21,24 @@ from dtensor import debug
 from dtensor.placement import NormPartial, Partial, chunk_sizes, padded_chunk_size
 
 # torch 2.13 prefers the *_single names; older releases only have *_tensor.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _first_available(*names: str):
+    """The first of ``names`` that this torch's ``torch.distributed`` has: collective
+    functions were renamed across releases (the GPU machines run 2.11, this one 2.13)."""
+    for name in names:
+        fn = getattr(dist, name, None)
+        if fn is not None:
+            return fn
+    raise RuntimeError(f"torch.distributed has none of {names}; this torch is too old.")
+
+
+_all_gather_flat = _first_available(
+    "all_gather_single", "all_gather_into_tensor", "_all_gather_base"
+)
+_reduce_scatter_flat = _first_available(
+    "reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base"
+)
 
 
 class Pending:

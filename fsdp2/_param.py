@@ -79,6 +79,8 @@ class FSDPParam:
         mesh_info: MeshInfo,
         shard_dim: int,
         device: torch.device,
+        *,
+        pin_memory: bool = False,
     ) -> None:
         self.locations = list(locations)
         self.mesh_info = mesh_info
@@ -86,6 +88,7 @@ class FSDPParam:
         self.requires_grad = param.requires_grad
         self.shape = param.shape
         self._original = weakref.ref(param)  # to recognise other (tied) uses of it
+        self.pin_memory = pin_memory  # CPU offload: keep the shard in page-locked memory
         self.sharded_param = self._shard(param, device)
         self.unsharded_param: nn.Parameter | None = None
         self._unsharded_buf: torch.Tensor | None = None
@@ -135,6 +138,8 @@ class FSDPParam:
         local = data.narrow(self.shard_dim, offset, self.local_rows)
         target = data.device if data.device.type == "meta" else device
         local = local.to(target, memory_format=torch.contiguous_format, copy=True)
+        if self.pin_memory and target.type == "cpu":
+            local = local.pin_memory()
         spec = DTensorSpec(
             info.mesh,
             info.placements(self.shard_dim),
@@ -147,6 +152,12 @@ class FSDPParam:
     def local(self) -> torch.Tensor:
         """This rank's shard (a plain tensor), read from the current sharded parameter."""
         return self.sharded_param._local_tensor
+
+    def pin_local(self) -> None:
+        """Move the shard into page-locked host memory (after ``to_empty(device="cpu")``
+        made a fresh, pageable one), so device copies of it can be asynchronous."""
+        if self.pin_memory and not self.local.is_pinned():
+            self.sharded_param._local_tensor = self.local.pin_memory()
 
     @property
     def dtype(self) -> torch.dtype:

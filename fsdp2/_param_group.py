@@ -24,6 +24,7 @@ import torch
 
 from fsdp2 import _collectives as C
 from fsdp2._param import FSDPParam, MeshInfo
+from fsdp2._streams import streams_for
 from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 logger = logging.getLogger(__name__)
@@ -49,10 +50,13 @@ class PostForwardMesh:
 class PendingReduce:
     """A gradient reduction in flight for one group."""
 
-    def __init__(self, group: FSDPParamGroup, collective, params: list[FSDPParam]) -> None:
+    def __init__(self, group: FSDPParamGroup, collective, params: list[FSDPParam], grads) -> None:
         self.group = group
         self.collective = collective
         self.params = params
+        # The unsharded gradients the reduce stream reads: held until the compute stream has
+        # waited for the reduction (see [Note: stream-safe frees] in _streams.py).
+        self.grads = grads
 
 
 class FSDPParamGroup:
@@ -77,6 +81,8 @@ class FSDPParamGroup:
         self.offload = isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu"
         self.pin_memory = self.offload and offload_policy.pin_memory
         self.post_forward = post_forward
+        self.streams = streams_for(device)
+        self._gather_input = None  # int reshard: the kept rows, read by the gather stream
         # controls (FSDPModule.set_*)
         self.reshard_after_forward: bool | None = None  # None until lazy init resolves it
         self.reshard_after_backward = True
@@ -124,6 +130,23 @@ class FSDPParamGroup:
                 " or call fully_shard on the differing modules separately."
             )
 
+    def check_offload(self) -> None:
+        """CPU offload: sharded parameters must live on the host (pinned if asked)."""
+        if not self.offload:
+            return
+        elsewhere = [
+            f"{p.fqn} ({p.local.device})" for p in self.params if p.local.device.type != "cpu"
+        ]
+        if elsewhere:
+            raise RuntimeError(
+                f"fully_shard: CPUOffloadPolicy keeps sharded parameters in host memory, but "
+                f"{', '.join(elsewhere[:3])} {'is' if len(elsewhere) == 1 else 'are'} on the "
+                "device. Materialize the model on the host - module.to_empty(device='cpu') "
+                "or load a CPU state dict - and do not move it to the GPU after fully_shard."
+            )
+        for p in self.params:
+            p.pin_local()
+
     # --------------------------------------------------------------------------- unshard
     def unshard(self) -> None:
         """Start the all-gather (returns at once); ``wait_for_unshard`` completes it."""
@@ -135,15 +158,19 @@ class FSDPParamGroup:
                 p.to_unsharded()
             self.is_unsharded = True
             return
-        info = self.mesh_info
         for p in self.params:
             p.ensure_unsharded(self.param_dtype, self.device)
+        with self.streams.gather():
+            self._issue_gather()
+
+    def _issue_gather(self) -> None:
+        info = self.mesh_info
         if self._post_forward_rows is not None:
             pf, kept = self.post_forward, self._post_forward_rows.view(-1)
             rows = self._input_rows(pf.group, pf.size, kept.numel())
             rows[0].copy_(kept)
             _replicate_first_row(rows)
-            self._post_forward_rows = None
+            self._gather_input, self._post_forward_rows = self._post_forward_rows, None
             self._gather = C.all_gather_rows(
                 rows, pf.group, pf.size, label=info.shard_mesh_dim, mesh=info.mesh
             )
@@ -161,14 +188,14 @@ class FSDPParamGroup:
     def _input_rows(self, group, k: int, n: int) -> torch.Tensor:
         """All-gather input: ``k`` copies of our row on gloo (all-to-all), one elsewhere."""
         copies = k if C.wants_replicated_input(group) else 1
-        return torch.empty((copies, n), dtype=self.param_dtype, device=self.device)
+        return C.POOL.get((copies, n), self.param_dtype, self.device)
 
     def wait_for_unshard(self) -> None:
         """Finish a started all-gather and swap the unsharded parameters in."""
         if self._gather is None:
             return
         out = self._gather.wait()
-        self._gather = None
+        self._gather = self._gather_input = None
         rows = out.view(self.mesh_info.shard_size, -1)
         with contextlib.ExitStack() as stack:
             # The copy must not bump the version counter autograd checks on saved tensors.
@@ -231,18 +258,20 @@ class FSDPParamGroup:
         if self.trivial:
             self._install_local_grads(with_grad, grads)
             return None
-        rows = self._gradient_rows(with_grad, grads)
         info = self.mesh_info
         hsdp = info.replicate_mesh_dim is not None and self.requires_all_reduce
-        collective = C.reduce_rows(
-            rows,
-            info.shard_rank,
-            info.shard_group,
-            divide_by=1.0 if hsdp else self._divide_factor(),
-            label=info.shard_mesh_dim,
-            mesh=info.mesh,
-        )
-        return PendingReduce(self, collective, with_grad)
+        with self.streams.reduce():
+            rows = self._gradient_rows(with_grad, grads)
+            collective = C.reduce_rows(
+                rows,
+                info.shard_rank,
+                info.shard_group,
+                divide_by=1.0 if hsdp else self._divide_factor(),
+                label=info.shard_mesh_dim,
+                mesh=info.mesh,
+            )
+        keep = grads if self.streams.enabled else None
+        return PendingReduce(self, collective, with_grad, keep)
 
     def _gradient_rows(self, params: list[FSDPParam], grads: list) -> torch.Tensor:
         """``(shard_size, N + len(params))`` rank-major gradients in the reduce dtype + flags."""
@@ -258,7 +287,7 @@ class FSDPParamGroup:
         flags = [1.0 if g is not None else 0.0 for g in grads]
         pieces.append(torch.tensor([flags], dtype=dtype, device=self.device).expand(ws, -1))
         width = sum(p.padded_numel for p in params) + len(params)
-        rows = torch.empty((ws, width), dtype=self.reduce_dtype, device=self.device)
+        rows = C.POOL.get((ws, width), self.reduce_dtype, self.device)
         torch._chunk_cat(pieces, dim=0, num_chunks=ws, out=rows)
         return rows
 
@@ -274,13 +303,32 @@ class FSDPParamGroup:
             row.div_(self._divide_factor())  # the flags too: only their sign is read
         n = row.numel() - len(params)
         values, flags = row[:n], row[n:].tolist()
+        pending.grads = None  # the compute stream has waited for the reduction
         if self.offload:
-            values = values.to("cpu").pin_memory() if self.pin_memory else values.to("cpu")
+            values = self._copy_to_host(values, params)
         offset = 0
         for p, flag in zip(params, flags, strict=True):
             if flag > 0:
                 p.accumulate_sharded_grad(p.shard_grad_from_row(values[offset:]))
             offset += p.padded_numel
+
+    def _copy_to_host(self, values: torch.Tensor, params: list[FSDPParam]) -> torch.Tensor:
+        """CPU offload: start copying the reduced gradients into (pinned) host memory.
+
+        The copy is asynchronous; the end of backward waits for the compute stream before
+        any optimizer step can read it. When the host must read the values right away -
+        adding to an existing gradient, a dtype cast, a non-dim-0 shard made contiguous -
+        it waits now.
+        """
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=self.pin_memory)
+        host.copy_(values, non_blocking=self.pin_memory)
+        reads_now = any(
+            p.sharded_param.grad is not None or p.shard_dim != 0 or p.dtype != values.dtype
+            for p in params
+        )
+        if reads_now:
+            self.streams.synchronize_compute()
+        return host
 
     def _divide_factor(self) -> float:
         if self.gradient_divide_factor is not None:

@@ -22,7 +22,7 @@ from dtensor.placement import Shard
 from fsdp2._param import FSDPParam, MeshInfo
 from fsdp2._param_group import FSDPParamGroup, PostForwardMesh
 from fsdp2._state import _MANAGED_ORIGINALS, FSDPState
-from fsdp2.api import MixedPrecisionPolicy, OffloadPolicy
+from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 _API = "fully_shard"
 
@@ -329,12 +329,13 @@ def fully_shard(
         _shard_dim(shard_placement_fn, p, names[id(p)]) if owner is None else None
         for p, _, owner in entries
     ]
+    shard_device, pin = _shard_storage(offload_policy, device)
     params: list[FSDPParam] = []  # nothing is modified before this point
     for (p, locations, owner), dim in zip(entries, dims, strict=True):
         if owner is not None:
             params.append(_take_over(owner, locations, info))
             continue
-        fp = FSDPParam(p, locations, info, dim, device)
+        fp = FSDPParam(p, locations, info, dim, shard_device, pin_memory=pin)
         _MANAGED_ORIGINALS[id(p)] = fp
         fp.to_sharded()
         params.append(fp)
@@ -409,6 +410,14 @@ def _mesh_info(mesh) -> MeshInfo:
         shard_rank=coord[shard_dim],
         replicate_size=mesh.size(0) if mesh.ndim == 2 else 1,
     )
+
+
+def _shard_storage(offload_policy, device: torch.device) -> tuple[torch.device, bool]:
+    """Where sharded parameters live: the host under CPU offload (on an accelerator), else
+    the compute device; and whether host shards are page-locked."""
+    if isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu":
+        return torch.device("cpu"), offload_policy.pin_memory
+    return device, False
 
 
 def _compute_device(mesh) -> torch.device:
