@@ -179,6 +179,9 @@ def worker(args) -> None:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     gpu_peak = torch.cuda.max_memory_allocated() if cuda else 0
+    # Training's peak RSS, read before the instrumented step below (MemTracker's own hooks
+    # and bookkeeping are not part of training).
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     tracked = tracked_peak_bytes(model, opt, lambda: gpt_loss(model, x, y), dev)
     step_s = statistics.median(times[args.warmup :])
@@ -193,7 +196,7 @@ def worker(args) -> None:
         if flops
         else None,
         "steps_s": times[args.warmup :],
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": peak_rss,
         "state_mb": local_bytes(model, opt) / 2**20,
         "tracked_peak_mb": tracked / 2**20,
         "loss": loss.item(),

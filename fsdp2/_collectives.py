@@ -17,12 +17,16 @@ divide. ``dtensor.debug`` records them by meaning: one ``all_gather``, one
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
 from dtensor import debug
 from dtensor._collectives import Pending, _all_gather_flat, _dim_label, _reduce_scatter_flat
 from dtensor._collectives import _backend_is_gloo as _is_gloo
+from fsdp2 import _host_memory
+from fsdp2._host_memory import HUGE_PAGE as _HUGE_PAGE
 
 
 def wants_replicated_input(group) -> bool:
@@ -31,42 +35,64 @@ def wants_replicated_input(group) -> bool:
 
 
 class BufferPool:
-    """Keeps a few freed collective buffers for reuse, keyed by shape, dtype and device.
+    """Keeps a few freed CPU collective buffers for reuse.
 
     Every block of a transformer has the same parameter sizes, so its all-gather and
-    reduction buffers have the same shapes: reusing them saves a fresh allocation (and the
-    page faults of first touch, measured at ~3x a memcpy of the same size on CPU) per block
-    per pass. At most ``keep`` buffers per key are held, so memory stays bounded.
+    reduction buffers have (nearly) the same size: reusing them saves a fresh allocation and
+    the page faults of first touch per block per pass. A kept buffer serves any request it
+    holds without wasting more than an eighth of itself (or one huge page), so a block's
+    all-gather buffers and its gradient rows, a few elements wider, share one set. At most
+    ``keep`` buffers are held, so memory stays bounded.
+
+    Example::
+
+        >>> pool = BufferPool(keep=2)
+        >>> a = pool.get((4, 1000), torch.float32, "cpu")
+        >>> pool.put(a)
+        >>> pool.get((4, 1000), torch.float32, "cpu").data_ptr() == a.data_ptr()
+        True
     """
 
-    def __init__(self, keep: int = 1) -> None:
+    def __init__(self, keep: int) -> None:
         self.keep = keep
-        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._free: list[torch.UntypedStorage] = []
 
     def get(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-        stack = self._free.get((tuple(shape), dtype, str(device)))
-        if stack:
-            return stack.pop()
-        return torch.empty(shape, dtype=dtype, device=device)
+        device = torch.device(device)
+        need = math.prod(shape) * dtype.itemsize
+        fits = [s for s in self._free if need <= s.nbytes() <= need + max(need // 8, _HUGE_PAGE)]
+        if device.type == "cpu" and fits:
+            storage = min(fits, key=lambda s: s.nbytes())
+            self._free.remove(storage)
+        elif device.type == "cpu" and self.keep:
+            # Room for a slightly wider request later (gradient rows carry a few flags);
+            # untouched bytes at the end never become resident.
+            capacity = -(-(need + _HEADROOM) // _HUGE_PAGE) * _HUGE_PAGE
+            storage = _host_memory.empty((capacity,), torch.uint8, device).untyped_storage()
+        else:
+            return _host_memory.empty(tuple(shape), dtype, device)
+        return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
 
     def put(self, t: torch.Tensor) -> None:
-        if t.device.type != "cpu":
-            # The CUDA caching allocator already reuses memory, per stream; a pool that
-            # handed a buffer from one stream to another would break that bookkeeping.
+        if t.device.type != "cpu" or len(self._free) >= self.keep:
+            # Dropped (its mapping goes back to the kernel, see [Note: host memory]). The
+            # CUDA caching allocator already reuses memory, per stream; a pool that handed
+            # a buffer from one stream to another would break that bookkeeping.
             return
-        stack = self._free.setdefault((tuple(t.shape), t.dtype, str(t.device)), [])
-        if len(stack) < self.keep:
-            stack.append(t)
+        self._free.append(t.untyped_storage())
 
     def clear(self) -> None:
         self._free.clear()
 
 
-POOL = BufferPool()
+_HEADROOM = 64 << 10
+# Enough for a gather (input and output) and a reduction (rows and receive buffer) in flight.
+POOL = BufferPool(keep=4)
+NO_POOL = BufferPool(keep=0)  # for a group whose buffer shapes no other group uses
 
 
 def all_gather_rows(
-    rows_in: torch.Tensor, group, group_size: int, *, label=None, mesh=None
+    rows_in: torch.Tensor, group, group_size: int, *, label=None, mesh=None, pool=POOL
 ) -> Pending:
     """All-gather: every rank contributes ``rows_in[0]`` (``(group_size, N)``, see below);
     the result is ``(group_size, N)`` with row ``r`` from rank ``r``.
@@ -74,19 +100,20 @@ def all_gather_rows(
     On gloo, ``rows_in`` must hold the same row ``group_size`` times: the gather runs as an
     all-to-all, measured about twice as fast as gloo's all-gather on this project's CPU
     machine (pairwise exchange instead of a ring). Elsewhere only ``rows_in[0]`` is read.
-    The input buffer goes back to the pool once the collective has finished.
+    Both buffers come from ``pool``; the input goes back to it once the collective has
+    finished.
     """
     n = rows_in.size(1)
     row_bytes = n * rows_in.element_size()
     debug.record("all_gather", _dim_label(mesh, label), group_size, row_bytes)
-    out = POOL.get((group_size, n), rows_in.dtype, rows_in.device)
-    if _is_gloo(group):
+    out = pool.get((group_size, n), rows_in.dtype, rows_in.device)
+    if wants_replicated_input(group):
         work = dist.all_to_all_single(out, rows_in, group=group, async_op=True)
     else:
         work = _all_gather_flat(out.view(-1), rows_in[0], group=group, async_op=True)
 
     def finish():
-        POOL.put(rows_in)
+        pool.put(rows_in)
         return out
 
     return Pending(work, finish)
@@ -107,7 +134,14 @@ def _combine(recv: torch.Tensor, divide_by: float) -> torch.Tensor:
 
 
 def reduce_rows(
-    rows: torch.Tensor, rank: int, group, *, divide_by: float = 1.0, label=None, mesh=None
+    rows: torch.Tensor,
+    rank: int,
+    group,
+    *,
+    divide_by: float = 1.0,
+    label=None,
+    mesh=None,
+    pool=POOL,
 ) -> Pending:
     """Sum ``rows`` (``(group_size, N)``, row ``r`` destined for rank ``r``) over the group
     and divide by ``divide_by``.
@@ -122,13 +156,13 @@ def reduce_rows(
     if k == 1:
         return Pending(None, lambda: _combine(rows, divide_by))
     if _is_gloo(group):
-        recv = POOL.get(tuple(rows.shape), rows.dtype, rows.device)
+        recv = pool.get(tuple(rows.shape), rows.dtype, rows.device)
         work = dist.all_to_all_single(recv, rows, group=group, async_op=True)
 
         def finish():
             total = _combine(recv, divide_by)
-            POOL.put(rows)
-            POOL.put(recv)
+            pool.put(rows)
+            pool.put(recv)
             return total
 
         return Pending(work, finish)
@@ -138,7 +172,7 @@ def reduce_rows(
     )
 
     def finish_rs():
-        POOL.put(rows)
+        pool.put(rows)
         return out.div_(divide_by) if divide_by != 1 else out
 
     return Pending(work, finish_rs)

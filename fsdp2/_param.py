@@ -10,7 +10,8 @@ holds rank ``r``'s chunk padded to ``pad`` rows, so the grouped all-gather outpu
 with one strided copy per parameter. [Note: free by resize] ``free_unsharded`` shrinks the
 buffer's *storage* to zero bytes instead of dropping the tensor: autograd may hold the
 unsharded parameter as a saved tensor, and the next all-gather refills the same storage
-before backward reads it.
+before backward reads it. On CPU a large buffer instead lives in a mapping of its own and
+freeing drops its pages (see [Note: host memory] in ``_host_memory.py``).
 
 Everything derived from the sharded parameter (dtype, device, local tensor) is read fresh
 each time, because ``module.to_empty()`` / ``.to()`` / ``.float()`` swap the contents of the
@@ -29,6 +30,7 @@ from torch import nn
 from dtensor import DTensor
 from dtensor._spec import DTensorSpec, TensorMeta, contiguous_stride
 from dtensor.placement import Replicate, Shard, chunk_offsets, chunk_sizes, padded_chunk_size
+from fsdp2 import _host_memory
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class FSDPParam:
         self.sharded_param = self._shard(param, device)
         self.unsharded_param: nn.Parameter | None = None
         self._unsharded_buf: torch.Tensor | None = None
+        self._region: _host_memory.HostRegion | None = None  # CPU: see [Note: host memory]
         self._unsharded_key = None
         self.fqn = locations[0][1]
         self.group = None  # the FSDPParamGroup that gathers it (set by the group)
@@ -175,14 +178,23 @@ class FSDPParam:
         """Create (once per dtype/device) the unsharded parameter and give it storage."""
         key = (dtype, device)
         if self._unsharded_key != key:
-            ws = self.mesh_info.shard_size
-            buf = torch.empty(self.moved_shape(ws * self.pad), dtype=dtype, device=device)
+            shape = self.moved_shape(self.mesh_info.shard_size * self.pad)
+            nbytes = math.prod(shape) * dtype.itemsize
+            if _host_memory.wants_mapping(nbytes, device):
+                self._region = _host_memory.HostRegion(nbytes)
+                buf = self._region.tensor(dtype, shape)
+            else:
+                self._region = None
+                buf = torch.empty(shape, dtype=dtype, device=device)
             full = buf[: self.rows]
             if self.shard_dim:
                 full = full.movedim(0, self.shard_dim)
             self._unsharded_buf = buf
             self.unsharded_param = nn.Parameter(full, requires_grad=self.requires_grad)
             self._unsharded_key = key
+            return
+        if self._region is not None:
+            self._region.touch()
             return
         storage = self._unsharded_buf.untyped_storage()
         nbytes = self._unsharded_buf.numel() * self._unsharded_buf.element_size()
@@ -194,11 +206,15 @@ class FSDPParam:
         return self._unsharded_buf.view(self.mesh_info.shard_size, self.padded_numel)
 
     def free_unsharded(self) -> None:
-        if self._unsharded_buf is not None:
+        if self._region is not None:
+            self._region.drop()
+        elif self._unsharded_buf is not None:
             self._unsharded_buf.untyped_storage().resize_(0)
 
     @property
     def is_unsharded_allocated(self) -> bool:
+        if self._region is not None:
+            return self._region.resident
         buf = self._unsharded_buf
         return buf is not None and buf.untyped_storage().size() > 0
 

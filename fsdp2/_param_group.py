@@ -83,6 +83,9 @@ class FSDPParamGroup:
         self.post_forward = post_forward
         self.streams = streams_for(device)
         self._gather_input = None  # int reshard: the kept rows, read by the gather stream
+        # Collective buffers are kept for reuse only when another group has the same shapes
+        # (set at lazy init): a lone group's buffers would sit idle for a whole step.
+        self.pool = C.POOL
         # controls (FSDPModule.set_*)
         self.reshard_after_forward: bool | None = None  # None until lazy init resolves it
         self.reshard_after_backward = True
@@ -172,7 +175,7 @@ class FSDPParamGroup:
             _replicate_first_row(rows)
             self._gather_input, self._post_forward_rows = self._post_forward_rows, None
             self._gather = C.all_gather_rows(
-                rows, pf.group, pf.size, label=info.shard_mesh_dim, mesh=info.mesh
+                rows, pf.group, pf.size, label=info.shard_mesh_dim, mesh=info.mesh, pool=self.pool
             )
             return
         rows = self._input_rows(info.shard_group, info.shard_size, self._row_numel())
@@ -182,13 +185,18 @@ class FSDPParamGroup:
             offset += p.padded_numel
         _replicate_first_row(rows)
         self._gather = C.all_gather_rows(
-            rows, info.shard_group, info.shard_size, label=info.shard_mesh_dim, mesh=info.mesh
+            rows,
+            info.shard_group,
+            info.shard_size,
+            label=info.shard_mesh_dim,
+            mesh=info.mesh,
+            pool=self.pool,
         )
 
     def _input_rows(self, group, k: int, n: int) -> torch.Tensor:
         """All-gather input: ``k`` copies of our row on gloo (all-to-all), one elsewhere."""
         copies = k if C.wants_replicated_input(group) else 1
-        return C.POOL.get((copies, n), self.param_dtype, self.device)
+        return self.pool.get((copies, n), self.param_dtype, self.device)
 
     def wait_for_unshard(self) -> None:
         """Finish a started all-gather and swap the unsharded parameters in."""
@@ -212,6 +220,10 @@ class FSDPParamGroup:
         for p in self.params:
             p.to_unsharded()
         self.is_unsharded = True
+
+    def buffer_key(self) -> tuple:
+        """What decides the shapes of this group's collective buffers."""
+        return (self._row_numel(), len(self.params), self.param_dtype, self.reduce_dtype)
 
     def _row_numel(self) -> int:
         return sum(p.padded_numel for p in self.params)
@@ -262,6 +274,9 @@ class FSDPParamGroup:
         hsdp = info.replicate_mesh_dim is not None and self.requires_all_reduce
         with self.streams.reduce():
             rows = self._gradient_rows(with_grad, grads)
+            # The side stream may still read the gradients, so they are kept until the compute
+            # stream has waited for it; on CPU they go now, before the receive buffer exists.
+            keep, grads = (grads if self.streams.enabled else None), None
             collective = C.reduce_rows(
                 rows,
                 info.shard_rank,
@@ -269,8 +284,8 @@ class FSDPParamGroup:
                 divide_by=1.0 if hsdp else self._divide_factor(),
                 label=info.shard_mesh_dim,
                 mesh=info.mesh,
+                pool=self.pool,
             )
-        keep = grads if self.streams.enabled else None
         return PendingReduce(self, collective, with_grad, keep)
 
     def _gradient_rows(self, params: list[FSDPParam], grads: list) -> torch.Tensor:
@@ -287,7 +302,7 @@ class FSDPParamGroup:
         flags = [1.0 if g is not None else 0.0 for g in grads]
         pieces.append(torch.tensor([flags], dtype=dtype, device=self.device).expand(ws, -1))
         width = sum(p.padded_numel for p in params) + len(params)
-        rows = C.POOL.get((ws, width), self.reduce_dtype, self.device)
+        rows = self.pool.get((ws, width), self.reduce_dtype, self.device)
         torch._chunk_cat(pieces, dim=0, num_chunks=ws, out=rows)
         return rows
 

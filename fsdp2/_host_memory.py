@@ -1,0 +1,130 @@
+"""Host memory for fsdp2's large, short-lived CPU buffers: mappings of their own.
+
+[Note: host memory] Every block of a training step allocates and frees, on CPU, buffers the
+size of the block's parameters: the all-gather input and output, the unsharded parameters,
+the gradient rows. Once glibc's dynamic mmap threshold has risen (it follows the largest
+freed block, up to 32 MiB), malloc serves all of them from its main heap, and smaller
+allocations (activations, autograd's gradients) then carve up the holes they leave.
+Measured on the 100M-parameter GPT at 4 ranks: ~850 MB of live allocations at the peak, a
+heap of ~1 GB with 300-600 MB of it free, peak RSS 1.45 GB.
+
+So on CPU these buffers live outside the heap, each in an anonymous private mapping:
+
+* a buffer that is dropped is unmapped at once (its pages go back to the kernel);
+* an unsharded parameter keeps its mapping for its whole life - autograd may hold views of
+  it between forward and backward, which is why freeing never replaces its storage - and
+  "freeing" it drops the pages with ``MADV_DONTNEED``: the addresses stay valid, the memory
+  goes back to the kernel, and the next all-gather writes into fresh zero pages;
+* the mappings ask for transparent huge pages, so refilling costs one fault per 2 MiB
+  instead of one per 4 KiB. Measured here, writing 47 MB into fresh memory: 27 ms with
+  4 KiB pages, 5.4 ms with huge pages, 3.3 ms into memory that is already mapped.
+
+Where the kernel offers no transparent huge pages (``never``), faults would cost more than
+the heap wastes, so every buffer stays on torch's allocator. Buffers below ``MIN_BYTES`` also
+stay there: malloc handles small blocks well.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import mmap
+from pathlib import Path
+
+import torch
+
+HUGE_PAGE = 2 << 20
+MIN_BYTES = 1 << 20
+_PAGE = mmap.PAGESIZE
+_THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@functools.cache
+def huge_pages_available() -> bool:
+    """Whether the kernel hands out transparent huge pages to a mapping that asks."""
+    if not hasattr(mmap, "MADV_HUGEPAGE") or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return False
+    try:
+        setting = _THP_SETTING.read_text()
+    except OSError:
+        return False
+    return "[always]" in setting or "[madvise]" in setting
+
+
+def wants_mapping(nbytes: int, device: torch.device) -> bool:
+    """Whether a buffer of ``nbytes`` on ``device`` should get a mapping of its own."""
+    return device.type == "cpu" and nbytes >= MIN_BYTES and huge_pages_available()
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class HostRegion:
+    """``nbytes`` of host memory in an anonymous mapping that starts on a huge page.
+
+    ``tensor()`` views the region; the mapping lives as long as any such view. ``drop()``
+    returns the pages to the kernel and keeps the addresses (reads then see zeros until the
+    region is written again).
+
+    Example::
+
+        >>> region = HostRegion(8 << 20)
+        >>> t = region.tensor(torch.float32, (1024, 2048))
+        >>> t.fill_(1.0).sum().item()
+        2097152.0
+        >>> region.drop()  # resident memory goes down by 8 MiB; t still has its addresses
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._span = _round_up(max(nbytes, 1), _PAGE)
+        # One huge page of slack lets the used part start on a huge-page boundary; the
+        # untouched slack never becomes resident.
+        self._map = mmap.mmap(
+            -1, self._span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        )
+        base = torch.frombuffer(self._map, dtype=torch.uint8, count=1).data_ptr()
+        self._offset = (-base) % HUGE_PAGE
+        whole = (nbytes // HUGE_PAGE) * HUGE_PAGE  # only whole huge pages: no rounding waste
+        if whole and hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE, self._offset, whole)
+            except OSError:  # a kernel built without transparent huge pages
+                pass
+        self.resident = True
+
+    def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor of ``shape`` over the start of the region (it keeps the mapping alive)."""
+        count = math.prod(shape) * dtype.itemsize
+        if count > self.nbytes:
+            raise ValueError(f"HostRegion: {shape} {dtype} needs {count} bytes, has {self.nbytes}")
+        raw = torch.frombuffer(self._map, dtype=torch.uint8, count=count, offset=self._offset)
+        return raw.view(dtype).view(shape)
+
+    def drop(self) -> None:
+        """Give the pages back to the kernel (``MADV_DONTNEED``); the addresses stay valid."""
+        if self.resident:
+            self._map.madvise(mmap.MADV_DONTNEED, self._offset, self._span)
+            self.resident = False
+
+    def touch(self) -> None:
+        """Mark the region in use again (its pages come back as they are written)."""
+        self.resident = True
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.empty``, except that a large CPU buffer gets a mapping of its own (see the
+    note above), unmapped when the last view of it is gone.
+
+    Example::
+
+        >>> buf = empty((4, 1 << 20), torch.float32, torch.device("cpu"))
+        >>> buf.shape
+        torch.Size([4, 1048576])
+    """
+    device = torch.device(device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not wants_mapping(nbytes, device):
+        return torch.empty(shape, dtype=dtype, device=device)
+    return HostRegion(nbytes).tensor(dtype, tuple(shape))

@@ -1,0 +1,116 @@
+"""Host memory for fsdp2's large CPU buffers (``fsdp2/_host_memory.py``) and the buffer pool.
+
+The training tests elsewhere use parameters far below ``MIN_BYTES``, so here the threshold
+is forced to zero: every unsharded parameter and collective buffer then lives in a mapping
+of its own, and training must still match one process exactly as before.
+"""
+
+from __future__ import annotations
+
+import mmap
+import sys
+
+import pytest
+import torch
+
+from fsdp2 import _host_memory
+from fsdp2._collectives import NO_POOL, BufferPool
+from fsdp2._host_memory import HostRegion
+from tests.harness import run_on_ranks
+from tests.test_fsdp_parity import _parity
+
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/statm")
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE
+
+
+@linux_only
+def test_region_drop_returns_its_pages_and_keeps_addresses():
+    size = 64 << 20
+    region = HostRegion(size)
+    t = region.tensor(torch.float32, (size // 4,))
+    before = _resident_bytes()
+    t.fill_(1.0)
+    filled = _resident_bytes()
+    assert filled - before >= size * 0.9
+    region.drop()
+    assert not region.resident
+    assert filled - _resident_bytes() >= size * 0.9
+    assert t.data_ptr() == region.tensor(torch.float32, (1,)).data_ptr()
+    assert t.abs().sum().item() == 0.0  # dropped pages read back as zeros
+    region.touch()
+    t.fill_(2.0)
+    assert t[-1].item() == 2.0
+
+
+def test_region_tensor_is_huge_page_aligned_and_bounded():
+    region = HostRegion(3 << 20)
+    t = region.tensor(torch.float32, (3, 1 << 18))
+    assert t.data_ptr() % _host_memory.HUGE_PAGE == 0
+    with pytest.raises(ValueError, match="needs"):
+        region.tensor(torch.float32, (1 << 20,))
+
+
+def test_empty_keeps_small_or_device_buffers_on_torch():
+    small = _host_memory.empty((10,), torch.float32, "cpu")
+    assert small.shape == (10,)
+    assert not _host_memory.wants_mapping(_host_memory.MIN_BYTES - 1, torch.device("cpu"))
+    assert not _host_memory.wants_mapping(1 << 30, torch.device("meta"))
+
+
+def test_pool_reuses_for_a_slightly_wider_request_and_stays_bounded():
+    pool = BufferPool(keep=1)
+    a = pool.get((4, 1 << 18), torch.float32, "cpu")
+    pool.put(a)
+    wider = pool.get((4, (1 << 18) + 12), torch.float32, "cpu")  # gradient rows + flags
+    assert wider.data_ptr() == a.data_ptr() and wider.is_contiguous()
+    pool.put(wider)
+    pool.put(pool.get((8,), torch.float32, "cpu"))  # over ``keep``: dropped
+    assert len(pool._free) == 1
+    tiny = pool.get((8,), torch.float32, "cpu")  # far smaller: not served by the big one
+    assert tiny.data_ptr() != a.data_ptr()
+    NO_POOL.put(tiny)
+    assert not NO_POOL._free
+
+
+# ----------------------------------------------------------------------- training in mappings
+def _in_mappings(target, **kw):
+    """Run ``fn`` with every CPU buffer of fsdp2 in its own mapping (restored after)."""
+    saved = _host_memory.wants_mapping
+    _host_memory.wants_mapping = lambda nbytes, device: torch.device(device).type == "cpu"
+    try:
+        return target(**kw)
+    finally:
+        _host_memory.wants_mapping = saved
+
+
+def _parity_in_mappings(**kw):
+    _in_mappings(_parity, oracle=False, **kw)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"shard_kw": {"reshard_after_forward": 2}}, {"accumulate": "no_sync"}],
+    ids=["default", "reshard-int", "no-sync"],
+)
+def test_training_in_mappings_matches_single_process(kw):
+    run_on_ranks(4 if "shard_kw" in kw else 3, _parity_in_mappings, **kw)
+
+
+def _regions_dropped_after_step():
+    from fsdp2 import fully_shard
+    from tests.test_fsdp_parity import _batches, _build, _cfg, _train
+
+    model = _build(_cfg(), fully_shard)
+    _train(model, _batches(2, steps=1), local=True)
+    states = {id(s): s for m in model.modules() if (s := m.__dict__.get("_fsdp_state"))}
+    params = [p for s in states.values() if s.group is not None for p in s.group.params]
+    assert params and all(p._region is not None for p in params)
+    assert not any(p._region.resident for p in params)  # resharded: pages returned
+
+
+def test_unsharded_params_live_in_regions_and_are_dropped():
+    run_on_ranks(2, _in_mappings, target=_regions_dropped_after_step)
