@@ -26,12 +26,15 @@ from dtensor import debug
 from dtensor._collectives import Pending, _all_gather_flat, _dim_label, _reduce_scatter_flat
 from dtensor._collectives import _backend_is_gloo as _is_gloo
 from fsdp2 import _host_memory
-from fsdp2._host_memory import HUGE_PAGE as _HUGE_PAGE
 
 
 def wants_replicated_input(group) -> bool:
     """Whether ``all_gather_rows`` needs the row once per rank (gloo's all-to-all route)."""
     return _is_gloo(group)
+
+
+_HUGE_PAGE = _host_memory.HUGE_PAGE
+_HEADROOM = 64 << 10  # room for a slightly wider request (gradient rows carry a few flags)
 
 
 class BufferPool:
@@ -58,15 +61,15 @@ class BufferPool:
         self._free: list[torch.UntypedStorage] = []
 
     def get(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-        device = torch.device(device)
+        if torch.device(device).type != "cpu":
+            return torch.empty(shape, dtype=dtype, device=device)
         need = math.prod(shape) * dtype.itemsize
         fits = [s for s in self._free if need <= s.nbytes() <= need + max(need // 8, _HUGE_PAGE)]
-        if device.type == "cpu" and fits:
+        if fits:
             storage = min(fits, key=lambda s: s.nbytes())
             self._free.remove(storage)
-        elif device.type == "cpu" and self.keep:
-            # Room for a slightly wider request later (gradient rows carry a few flags);
-            # untouched bytes at the end never become resident.
+        elif self.keep:
+            # Untouched bytes at the end of the headroom never become resident.
             capacity = -(-(need + _HEADROOM) // _HUGE_PAGE) * _HUGE_PAGE
             storage = _host_memory.empty((capacity,), torch.uint8, device).untyped_storage()
         else:
@@ -85,7 +88,6 @@ class BufferPool:
         self._free.clear()
 
 
-_HEADROOM = 64 << 10
 # Enough for a gather (input and output) and a reduction (rows and receive buffer) in flight.
 POOL = BufferPool(keep=4)
 NO_POOL = BufferPool(keep=0)  # for a group whose buffer shapes no other group uses

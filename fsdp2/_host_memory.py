@@ -113,18 +113,33 @@ class HostRegion:
         self.resident = True
 
 
-def empty(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """``torch.empty``, except that a large CPU buffer gets a mapping of its own (see the
-    note above), unmapped when the last view of it is gone.
+def allocate(
+    shape: tuple[int, ...], dtype: torch.dtype, device
+) -> tuple[torch.Tensor, HostRegion | None]:
+    """An uninitialized tensor, and the ``HostRegion`` under it when it got a mapping of its
+    own (a large CPU buffer, see the note above); otherwise ``torch.empty`` and ``None``.
 
     Example::
 
-        >>> buf = empty((4, 1 << 20), torch.float32, torch.device("cpu"))
-        >>> buf.shape
-        torch.Size([4, 1048576])
+        >>> t, region = allocate((4, 1 << 20), torch.float32, "cpu")
+        >>> t.shape, region is None or region.nbytes == t.numel() * 4
+        (torch.Size([4, 1048576]), True)
     """
     device = torch.device(device)
     nbytes = math.prod(shape) * dtype.itemsize
     if not wants_mapping(nbytes, device):
-        return torch.empty(shape, dtype=dtype, device=device)
-    return HostRegion(nbytes).tensor(dtype, tuple(shape))
+        return torch.empty(shape, dtype=dtype, device=device), None
+    region = HostRegion(nbytes)
+    return region.tensor(dtype, tuple(shape)), region
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.empty``, except that a large CPU buffer gets a mapping of its own, unmapped
+    when the last view of it is gone.
+
+    Example::
+
+        >>> empty((4, 1 << 20), torch.float32, "cpu").shape
+        torch.Size([4, 1048576])
+    """
+    return allocate(shape, dtype, device)[0]

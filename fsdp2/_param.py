@@ -179,13 +179,7 @@ class FSDPParam:
         key = (dtype, device)
         if self._unsharded_key != key:
             shape = self.moved_shape(self.mesh_info.shard_size * self.pad)
-            nbytes = math.prod(shape) * dtype.itemsize
-            if _host_memory.wants_mapping(nbytes, device):
-                self._region = _host_memory.HostRegion(nbytes)
-                buf = self._region.tensor(dtype, shape)
-            else:
-                self._region = None
-                buf = torch.empty(shape, dtype=dtype, device=device)
+            buf, self._region = _host_memory.allocate(shape, dtype, device)
             full = buf[: self.rows]
             if self.shard_dim:
                 full = full.movedim(0, self.shard_dim)

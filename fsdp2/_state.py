@@ -90,10 +90,15 @@ class IterationContext:
     def queue_reduce(self, pending: PendingReduce) -> None:
         self.pending.append(pending)
 
-    def finish_reduces(self) -> None:
+    def drain_reduces(self) -> None:
+        """Finish every reduction in flight and return the pooled buffers (idle until the
+        next step's gathers, so the memory is better given back)."""
         while self.pending:
             self._finish_one()
-        C.POOL.clear()  # idle until the next step's gathers; the memory is better returned
+        C.POOL.clear()
+
+    def finish_reduces(self) -> None:
+        self.drain_reduces()
         offloading = [s.group for s in self.states if s.group is not None and s.group.offload]
         if offloading:  # the optimizer steps on the host: wait for the device copies
             offloading[0].streams.synchronize_compute()
@@ -304,7 +309,7 @@ class FSDPState:
         if ctx.is_last_backward:
             # Every block's reduction is in flight: finish them and return the pooled
             # buffers before the groups left over (the root) allocate theirs.
-            ctx.finish_reduces()
+            ctx.drain_reduces()
         for s in ctx.states:
             if s.needs_post_backward:
                 s.run_post_backward()
