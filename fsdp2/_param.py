@@ -188,8 +188,7 @@ class FSDPParam:
             self._unsharded_key = key
             return
         if self._region is not None:
-            self._region.touch()
-            return
+            return  # backed by pages just before the all-gather's copy-out (back_pages)
         storage = self._unsharded_buf.untyped_storage()
         nbytes = self._unsharded_buf.numel() * self._unsharded_buf.element_size()
         if storage.size() != nbytes:
@@ -201,9 +200,19 @@ class FSDPParam:
 
     def free_unsharded(self) -> None:
         if self._region is not None:
-            self._region.drop()
+            _host_memory.PAGES.release(self._region)
         elif self._unsharded_buf is not None:
             self._unsharded_buf.untyped_storage().resize_(0)
+
+    def back_pages(self) -> None:
+        """Give the unsharded parameter's mapping pages (a freed parameter's, where the page
+        bank holds some) right before the all-gather result is copied in."""
+        if self._region is not None:
+            _host_memory.PAGES.acquire(self._region)
+
+    def region_bytes(self) -> int:
+        """Bytes of the unsharded parameter's own mapping (0 when it has none)."""
+        return self._region.nbytes if self._region is not None else 0
 
     @property
     def is_unsharded_allocated(self) -> bool:

@@ -23,6 +23,7 @@ import logging
 import torch
 
 from fsdp2 import _collectives as C
+from fsdp2 import _host_memory
 from fsdp2._param import FSDPParam, MeshInfo
 from fsdp2._streams import streams_for
 from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -163,6 +164,7 @@ class FSDPParamGroup:
             return
         for p in self.params:
             p.ensure_unsharded(self.param_dtype, self.device)
+        _hold_pages_for(self.params)
         with self.streams.gather():
             self._issue_gather()
 
@@ -205,6 +207,8 @@ class FSDPParamGroup:
         out = self._gather.wait()
         self._gather = self._gather_input = None
         rows = out.view(self.mesh_info.shard_size, -1)
+        for p in self.params:
+            p.back_pages()
         with contextlib.ExitStack() as stack:
             # The copy must not bump the version counter autograd checks on saved tensors.
             for p in self.params:
@@ -378,3 +382,10 @@ def _alias_unsharded(p: FSDPParam) -> None:
         p.unsharded_param = torch.nn.Parameter(local, requires_grad=p.requires_grad)
         if grad is not None:
             p.unsharded_param.grad = grad
+
+
+def _hold_pages_for(params) -> None:
+    """Let the page bank hold a group's worth of unsharded parameters (the largest group's;
+    see [Note: host memory]), for the next group to take while it gathers."""
+    nbytes = sum(p.region_bytes() for p in params)
+    _host_memory.PAGES.keep_bytes = max(_host_memory.PAGES.keep_bytes, nbytes)

@@ -34,6 +34,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fsdp2 import _collectives as C
+from fsdp2 import _host_memory
 from fsdp2._param_group import FSDPParamGroup, PendingReduce
 
 logger = logging.getLogger(__name__)
@@ -320,6 +321,7 @@ class FSDPState:
             s._done.clear()
         if ctx.is_last_backward:
             ctx.finish_reduces()
+            _host_memory.PAGES.clear()  # nothing gathers until the next forward
         ctx.callback_queued = False
 
     # ----------------------------------------------------------------------- prefetch

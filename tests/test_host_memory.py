@@ -46,6 +46,51 @@ def test_region_drop_returns_its_pages_and_keeps_addresses():
     assert t[-1].item() == 2.0
 
 
+@linux_only
+def test_page_bank_moves_freed_pages_under_the_next_region():
+    size = 16 << 20
+    bank = _host_memory.PageBank()
+    bank.keep_bytes = size
+    donor, taker = HostRegion(size), HostRegion(size + 4096)  # one page over: two pieces
+    a = donor.tensor(torch.float32, (size // 4,))
+    b = taker.tensor(torch.float32, (size // 4,))
+    a.fill_(3.0)
+    b.fill_(1.0)
+    taker.drop()
+    bank.release(donor)
+    assert not donor.resident
+    before = _resident_bytes()
+    other = HostRegion(size)  # a different span: cannot take the donor's pages
+    bank.acquire(other)
+    assert other.resident and len(bank._held) == 1
+    taker2 = HostRegion(size)
+    b2 = taker2.tensor(torch.float32, (size // 4,))
+    taker2.drop()
+    bank.acquire(taker2)
+    assert taker2.resident and not bank._held
+    assert b2[0].item() == 3.0 and b2[-1].item() == 3.0  # the donor's pages, not copies
+    assert a.abs().sum().item() == 0.0  # the donor keeps its addresses, now empty
+    b2.fill_(2.0)  # already backed: writing it faults nothing in
+    assert _resident_bytes() - before < size // 4
+    assert b.abs().sum().item() == 0.0 and taker.nbytes == size + 4096
+
+
+def test_page_bank_keeps_its_budget_and_clears():
+    bank = _host_memory.PageBank()
+    bank.keep_bytes = 8 << 20
+    regions = [HostRegion(4 << 20) for _ in range(3)]
+    for r in regions:
+        r.tensor(torch.uint8, (4 << 20,)).fill_(1)
+        bank.release(r)
+    assert list(bank._held.values()) == regions[1:]  # the oldest went over budget
+    assert regions[0].tensor(torch.uint8, (4 << 20,)).sum().item() == 0  # dropped
+    own = regions[2]
+    bank.acquire(own)  # its own pages were still held: nothing moves
+    assert own.resident and own.tensor(torch.uint8, (4 << 20,))[0].item() == 1
+    bank.clear()
+    assert not bank._held and regions[1].tensor(torch.uint8, (4 << 20,)).sum().item() == 0
+
+
 def test_region_tensor_is_huge_page_aligned_and_bounded():
     region = HostRegion(3 << 20)
     t = region.tensor(torch.float32, (3, 1 << 18))
@@ -105,11 +150,14 @@ def _regions_dropped_after_step():
     from tests.test_fsdp_parity import _batches, _build, _cfg, _train
 
     model = _build(_cfg(), fully_shard)
+    moves = _host_memory.PAGES.moves
     _train(model, _batches(2, steps=1), local=True)
+    assert _host_memory.PAGES.moves > moves  # later blocks took earlier blocks' pages
     states = {id(s): s for m in model.modules() if (s := m.__dict__.get("_fsdp_state"))}
     params = [p for s in states.values() if s.group is not None for p in s.group.params]
     assert params and all(p._region is not None for p in params)
     assert not any(p._region.resident for p in params)  # resharded: pages returned
+    assert not _host_memory.PAGES._held  # and none held back after backward
 
 
 def test_unsharded_params_live_in_regions_and_are_dropped():
