@@ -119,9 +119,8 @@ class HostRegion:
 
     def drop(self) -> None:
         """Give the pages back to the kernel (``MADV_DONTNEED``); the addresses stay valid."""
-        if self.resident:
-            self._map.madvise(mmap.MADV_DONTNEED, self._offset, self._span)
-            self.resident = False
+        self._map.madvise(mmap.MADV_DONTNEED, self._offset, self._span)
+        self.resident = False
 
     def touch(self) -> None:
         """Mark the region in use again (its pages come back as they are written)."""
@@ -187,7 +186,6 @@ class PageBank:
     def __init__(self) -> None:
         self.keep_bytes = 0
         self._held: collections.OrderedDict[int, HostRegion] = collections.OrderedDict()
-        self._bytes = 0
         self.moves = 0  # regions backed by another's pages so far
 
     def release(self, region: HostRegion) -> None:
@@ -195,34 +193,24 @@ class PageBank:
         if id(region) in self._held:
             return
         self._held[id(region)] = region
-        self._bytes += region._span
-        while self._bytes > self.keep_bytes and self._held:
-            self._drop(next(iter(self._held)))
+        while sum(r._span for r in self._held.values()) > self.keep_bytes:
+            self._held.popitem(last=False)[1].drop()  # the oldest
 
     def acquire(self, region: HostRegion) -> None:
         if region.resident:
             return
-        if self._held.pop(id(region), None) is not None:  # its own pages are still there
-            self._bytes -= region._span
-        else:
+        if self._held.pop(id(region), None) is None:  # its own pages are gone
             # The most recently freed first: older ones are the first to go over budget.
             for key, donor in reversed(self._held.items()):
-                if donor._span == region._span and region.take_pages_of(donor):
-                    self._held.pop(key)
-                    self._bytes -= donor._span
+                if region.take_pages_of(donor):
+                    del self._held[key]
                     self.moves += 1
                     break
-        region.resident = True
+        region.touch()
 
     def clear(self) -> None:
         while self._held:
-            self._drop(next(iter(self._held)))
-
-    def _drop(self, key: int) -> None:
-        region = self._held.pop(key)
-        self._bytes -= region._span
-        region.resident = True  # drop() only acts on a resident region
-        region.drop()
+            self._held.popitem()[1].drop()
 
 
 PAGES = PageBank()
