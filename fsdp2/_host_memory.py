@@ -1,8 +1,8 @@
 """Host memory for fsdp2's large, short-lived CPU buffers: mappings of their own.
 
 [Note: host memory] Every block of a training step allocates and frees, on CPU, buffers the
-size of the block's parameters: the all-gather input and output, the unsharded parameters,
-the gradient rows. Once glibc's dynamic mmap threshold has risen (it follows the largest
+size of the block's parameters: the unsharded parameters and the blocks a gradient reduction
+receives (and, on the staged route, the all-gather input and output and the gradient rows). Once glibc's dynamic mmap threshold has risen (it follows the largest
 freed block, up to 32 MiB), malloc serves all of them from its main heap, and smaller
 allocations (activations, autograd's gradients) then carve up the holes they leave.
 Measured on the 100M-parameter GPT at 4 ranks: ~850 MB of live allocations at the peak, a

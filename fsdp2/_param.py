@@ -173,6 +173,24 @@ class FSDPParam:
             src = self.local.movedim(self.shard_dim, 0) if self.shard_dim else self.local
             dst_row[:n].view(self.moved_shape(self.local_rows)).copy_(src, non_blocking=True)
 
+    def rank_numels(self) -> list[int]:
+        """Elements in each rank's shard (the last ranks may hold fewer, or none)."""
+        return [n * self.row_numel for n in chunk_sizes(self.rows, self.mesh_info.shard_size)]
+
+    def shard_run(self, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's shard as one contiguous 1-D run in the rank-major layout and ``dtype``:
+        the shard itself when it already is one, else a converted copy."""
+        src = self.local.movedim(self.shard_dim, 0) if self.shard_dim else self.local
+        return src.to(dtype).contiguous().view(-1)
+
+    def grad_run(self, grad: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """An unsharded gradient as one contiguous 1-D run in the rank-major layout and
+        ``dtype`` (rank ``j``'s block starts at ``j * padded_numel``); zeros for ``None``."""
+        if grad is None:
+            return torch.zeros(self.rows * self.row_numel, dtype=dtype, device=self.local.device)
+        src = grad.movedim(self.shard_dim, 0) if self.shard_dim else grad
+        return src.to(dtype).contiguous().view(-1)
+
     # ------------------------------------------------------------------------- unsharded side
     def ensure_unsharded(self, dtype: torch.dtype, device: torch.device) -> None:
         """Create (once per dtype/device) the unsharded parameter and give it storage."""

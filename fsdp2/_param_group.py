@@ -3,13 +3,15 @@
 A group moves between two states. *Sharded*: modules hold the sharded DTensor parameters.
 *Unsharded*: one all-gather has refilled every unsharded parameter and the modules hold
 those. ``unshard()`` issues the all-gather without waiting (that is what prefetching is);
-``wait_for_unshard()`` finishes it, copies each parameter out of the gathered rows and swaps
-the registrations. ``reshard()`` frees the unsharded storage and swaps back.
+``wait_for_unshard()`` finishes it (on NCCL: copies each parameter out of the gathered rows;
+on gloo the messages landed in the parameters themselves) and swaps the registrations.
+``reshard()`` frees the unsharded storage and swaps back.
 
-``post_backward()`` takes the unsharded gradients, lays them out rank-major in the reduce
-dtype (plus one "had a gradient" flag per parameter, so a parameter that no rank used keeps
-``grad=None``, exactly as on one process) and issues one reduction. ``finish_reduce()``
-waits, averages and installs each rank's slice as the sharded ``.grad``.
+``post_backward()`` takes the unsharded gradients and issues one reduction of their
+rank-major blocks in the reduce dtype, plus one "had a gradient" flag per parameter, so a
+parameter that no rank used keeps ``grad=None``, exactly as on one process.
+``finish_reduce()`` waits, averages and installs each rank's slice as the sharded ``.grad``.
+See [Note: collectives on gloo] in ``_collectives.py`` for the two routes.
 
 With a single data-parallel rank and no dtype cast nothing needs to move, so the unsharded
 parameter is an alias of the shard and no collective is issued.
@@ -97,6 +99,7 @@ class FSDPParamGroup:
         # runtime
         self.is_unsharded = False
         self._gather: C.Pending | None = None
+        self._gather_is_direct = False  # the all-gather writes into the parameters itself
         self._post_forward_rows: torch.Tensor | None = None
 
     # --------------------------------------------------------------------------- dtypes
@@ -180,6 +183,9 @@ class FSDPParamGroup:
                 rows, pf.group, pf.size, label=info.shard_mesh_dim, mesh=info.mesh, pool=self.pool
             )
             return
+        if C.exchanges_blocks(info.shard_group, self.device):
+            self._issue_block_exchange()
+            return
         rows = self._input_rows(info.shard_group, info.shard_size, self._row_numel())
         offset = 0
         for p in self.params:
@@ -195,6 +201,39 @@ class FSDPParamGroup:
             pool=self.pool,
         )
 
+    def _issue_block_exchange(self) -> None:
+        """Gloo on CPU: each shard goes straight into every rank's unsharded parameters
+        (``C.gather_blocks``). This rank's own block is copied now; the pages the others
+        land in must be in place before any message arrives."""
+        info = self.mesh_info
+        me = info.shard_rank
+        pieces = []
+        with contextlib.ExitStack() as stack:
+            for p in self.params:
+                # The writes must not bump the version counter autograd checks on saved
+                # tensors (gloo's writes bypass it anyway).
+                stack.enter_context(
+                    torch.autograd._unsafe_preserve_version_counter(p.unsharded_param)
+                )
+                p.back_pages()
+                send, blocks, counts = (
+                    p.shard_run(self.param_dtype),
+                    p.unsharded_rank_blocks(),
+                    p.rank_numels(),
+                )
+                if counts[me]:
+                    blocks[me, : counts[me]].copy_(send)
+                pieces.append((send, blocks, counts))
+        self._gather = C.gather_blocks(
+            pieces,
+            info.shard_group,
+            me,
+            row_bytes=self._row_numel() * self.param_dtype.itemsize,
+            label=info.shard_mesh_dim,
+            mesh=info.mesh,
+        )
+        self._gather_is_direct = True
+
     def _input_rows(self, group, k: int, n: int) -> torch.Tensor:
         """All-gather input: ``k`` copies of our row on gloo (all-to-all), one elsewhere."""
         copies = k if C.wants_replicated_input(group) else 1
@@ -206,7 +245,16 @@ class FSDPParamGroup:
             return
         out = self._gather.wait()
         self._gather = self._gather_input = None
-        rows = out.view(self.mesh_info.shard_size, -1)
+        if self._gather_is_direct:
+            self._gather_is_direct = False
+        else:
+            self._copy_out(out.view(self.mesh_info.shard_size, -1))
+        for p in self.params:
+            p.to_unsharded()
+        self.is_unsharded = True
+
+    def _copy_out(self, rows: torch.Tensor) -> None:
+        """Copy each parameter's blocks out of the gathered rank-major rows."""
         for p in self.params:
             p.back_pages()
         with contextlib.ExitStack() as stack:
@@ -221,9 +269,6 @@ class FSDPParamGroup:
                 dim=1,
                 out=[p.unsharded_rank_blocks() for p in self.params],
             )
-        for p in self.params:
-            p.to_unsharded()
-        self.is_unsharded = True
 
     def buffer_key(self) -> tuple:
         """What decides the shapes of this group's collective buffers."""
@@ -276,6 +321,9 @@ class FSDPParamGroup:
             return None
         info = self.mesh_info
         hsdp = info.replicate_mesh_dim is not None and self.requires_all_reduce
+        if C.exchanges_blocks(info.shard_group, self.device):
+            collective = self._issue_block_reduce(with_grad, grads, hsdp)
+            return PendingReduce(self, collective, with_grad, None)
         with self.streams.reduce():
             rows = self._gradient_rows(with_grad, grads)
             # The side stream may still read the gradients, so they are kept until the compute
@@ -291,6 +339,28 @@ class FSDPParamGroup:
                 pool=self.pool,
             )
         return PendingReduce(self, collective, with_grad, keep)
+
+    def _issue_block_reduce(self, params: list[FSDPParam], grads: list, hsdp: bool) -> C.Pending:
+        """Gloo on CPU: each rank's block of every gradient goes straight to that rank
+        (``C.reduce_blocks``), with no rank-major staging buffer."""
+        info = self.mesh_info
+        dtype = self.reduce_dtype
+        pieces, slot = [], 0
+        for p, g in zip(params, grads, strict=True):
+            pieces.append((p.grad_run(g, dtype), p.padded_numel, p.rank_numels(), slot))
+            slot += p.padded_numel
+        flags = torch.tensor([float(g is not None) for g in grads], dtype=dtype)
+        return C.reduce_blocks(
+            pieces,
+            flags,
+            info.shard_group,
+            info.shard_rank,
+            width=slot + len(params),
+            divide_by=1.0 if hsdp else self._divide_factor(),
+            label=info.shard_mesh_dim,
+            mesh=info.mesh,
+            pool=self.pool,
+        )
 
     def _gradient_rows(self, params: list[FSDPParam], grads: list) -> torch.Tensor:
         """``(shard_size, N + len(params))`` rank-major gradients in the reduce dtype + flags."""

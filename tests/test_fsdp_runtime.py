@@ -194,6 +194,40 @@ def test_set_is_last_backward_micro_batches():
     run_on_ranks(2, _not_last_backward)
 
 
+class _Branchy(nn.Module):
+    """``extra`` is used only where the input asks for it: on some ranks, not others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(5, 7)
+        self.extra = nn.Linear(7, 7)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        h = self.inner(x)
+        return self.extra(h) if use_extra else h
+
+
+def _used_on_some_ranks():
+    ws, me = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    ref = _Branchy()
+    model = copy.deepcopy(ref)
+    fully_shard(model.inner)
+    fully_shard(model)
+    inputs = [torch.randn(2, 5, generator=torch.Generator().manual_seed(r)) for r in range(ws)]
+    uses = [r == 0 for r in range(ws)]  # only rank 0 runs `extra`
+    model(inputs[me], uses[me]).square().sum().backward()
+    for r in range(ws):  # the reference: the mean over ranks' losses on one process
+        ref(inputs[r], uses[r]).square().sum().div(ws).backward()
+    for name, p in model.named_parameters():
+        want = dict(ref.named_parameters())[name].grad
+        torch.testing.assert_close(p.grad.full_tensor(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_parameter_used_on_some_ranks_only():
+    run_on_ranks(3, _used_on_some_ranks)
+
+
 def _dtype_and_state_dict():
     cfg = _cfg()
     model = _sharded(cfg)
