@@ -22,8 +22,8 @@ So on CPU these buffers live outside the heap, each in an anonymous private mapp
 Faults still cost: at 2 ranks, keeping every unsharded parameter's pages (no freeing at all)
 made a step ~6% faster. Yet the next block's parameters have the same sizes as the ones just
 freed, so ``PAGES`` (a ``PageBank``) holds freed parameters' pages back for a moment and
-moves them, with ``mremap``, under the next parameter of the same size when its all-gather
-result is copied in: no copy, no fault, no zeroing. The most recently freed go first, the
+moves them, with ``mremap``, under the next parameter of the same size just before its
+all-gather writes into it: no copy, no fault, no zeroing. The most recently freed go first, the
 bank holds at most one group's worth (the largest), and it is emptied at the end of
 backward, so resident memory stays what it was.
 

@@ -206,7 +206,7 @@ class FSDPParam:
             self._unsharded_key = key
             return
         if self._region is not None:
-            return  # backed by pages just before the all-gather's copy-out (back_pages)
+            return  # backed by pages just before the all-gather writes into it (back_pages)
         storage = self._unsharded_buf.untyped_storage()
         nbytes = self._unsharded_buf.numel() * self._unsharded_buf.element_size()
         if storage.size() != nbytes:
@@ -224,7 +224,8 @@ class FSDPParam:
 
     def back_pages(self) -> None:
         """Give the unsharded parameter's mapping pages (a freed parameter's, where the page
-        bank holds some) right before the all-gather result is copied in."""
+        bank holds some) right before the all-gather writes into it: when its messages are
+        posted on gloo, before the copy-out elsewhere."""
         if self._region is not None:
             _host_memory.PAGES.acquire(self._region)
 
