@@ -56,6 +56,14 @@ class DTensorSpec:
     def __str__(self) -> str:
         return f"{tuple(self.shape)} {self.meta.dtype} {format_placements(self.placements)}"
 
+    def __hash__(self) -> int:
+        # Computed once: dispatch hashes the spec of every DTensor argument of every op.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.mesh, self.placements, self.meta))
+            object.__setattr__(self, "_hash", h)
+        return h
+
 
 def contiguous_stride(shape) -> tuple[int, ...]:
     stride, acc = [], 1
