@@ -139,7 +139,7 @@ _REDUCE_TAG = 1 << 24
 
 
 class _Exchange:
-    """The messages of one ``gather_blocks`` call; ``wait()`` returns once all are done."""
+    """The messages of one point-to-point collective; ``wait()`` returns once all are done."""
 
     __slots__ = ("_works", "_keep")
 
@@ -238,7 +238,7 @@ def reduce_blocks(
             n = counts[rank]
             own = grad[rank * padded : rank * padded + n]
             _sum_in_rank_order(total[slot : slot + n], own, recv[:, slot : slot + n], rank, row_of)
-            if slot + n < slot + padded:
+            if n < padded:
                 total[slot + n : slot + padded].zero_()
         _sum_in_rank_order(total[n_values:], flags, recv[:, n_values:], rank, row_of)
         pool.put(recv)
