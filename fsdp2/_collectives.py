@@ -45,12 +45,13 @@ _HEADROOM = 64 << 10  # room for a slightly wider request (gradient rows carry a
 class BufferPool:
     """Keeps a few freed CPU collective buffers for reuse.
 
-    Every block of a transformer has the same parameter sizes, so its all-gather and
-    reduction buffers have (nearly) the same size: reusing them saves a fresh allocation and
-    the page faults of first touch per block per pass. A kept buffer serves any request it
-    holds without wasting more than an eighth of itself (or one huge page), so a block's
-    all-gather buffers and its gradient rows, a few elements wider, share one set. At most
-    ``keep`` buffers are held, so memory stays bounded.
+    Every block of a transformer has the same parameter sizes, so its collective buffers
+    have (nearly) the same size: reusing them saves a fresh allocation and the page faults of
+    first touch per block per pass. On gloo these are the rows a reduction receives; on the
+    staged route, the all-gather buffers and the gradient rows too. A kept buffer serves any
+    request it holds without wasting more than an eighth of itself (or one huge page), so
+    buffers a few elements wider (gradient rows carry flags) share one set. At most ``keep``
+    buffers are held, so memory stays bounded.
 
     Example::
 
