@@ -183,7 +183,7 @@ class FSDPParamGroup:
                 rows, pf.group, pf.size, label=info.shard_mesh_dim, mesh=info.mesh, pool=self.pool
             )
             return
-        if C.exchanges_blocks(info.shard_group, self.device):
+        if self._direct_route():
             self._issue_block_exchange()
             return
         rows = self._input_rows(info.shard_group, info.shard_size, self._row_numel())
@@ -200,6 +200,13 @@ class FSDPParamGroup:
             mesh=info.mesh,
             pool=self.pool,
         )
+
+    def _direct_route(self) -> bool:
+        """Whether this group's collectives are point-to-point messages (see
+        [Note: collectives on gloo])."""
+        info = self.mesh_info
+        nbytes = self._row_numel() * info.shard_size * self.param_dtype.itemsize
+        return C.exchanges_blocks(info.shard_group, self.device, nbytes, len(self.params))
 
     def _issue_block_exchange(self) -> None:
         """Gloo on CPU: each shard goes straight into every rank's unsharded parameters
@@ -321,7 +328,7 @@ class FSDPParamGroup:
             return None
         info = self.mesh_info
         hsdp = info.replicate_mesh_dim is not None and self.requires_all_reduce
-        if C.exchanges_blocks(info.shard_group, self.device):
+        if self._direct_route():
             collective = self._issue_block_reduce(with_grad, grads, hsdp)
             return PendingReduce(self, collective, with_grad, None)
         with self.streams.reduce():

@@ -26,10 +26,27 @@ from device_mesh import init_device_mesh
 from dtensor import DTensor, Shard
 from examples.gpt import GPT, GPTConfig, gpt_loss
 from fsdp2 import FSDPModule, MixedPrecisionPolicy, fully_shard
+from fsdp2 import _collectives as C
 from tests.harness import run_on_ranks
 
 VOCAB, SEQ, PER_RANK = 67, 3, 2
 STEPS = 4
+
+
+# On gloo a group's collectives are point-to-point messages ("direct") when its parameters
+# are large enough on average, else all-to-alls of staged rows ("staged"). These models are
+# far below the threshold, so each test says which route it runs.
+ROUTES = ["direct", "staged"]
+
+
+def _on_route(route: str, target, **kw):
+    """Run ``target`` with every fsdp2 group on one collective route (restored after)."""
+    saved = C.DIRECT_MIN_BYTES_PER_PARAM
+    C.DIRECT_MIN_BYTES_PER_PARAM = 0 if route == "direct" else 1 << 62
+    try:
+        return target(**kw)
+    finally:
+        C.DIRECT_MIN_BYTES_PER_PARAM = saved
 
 
 def _cfg(**kw) -> GPTConfig:
@@ -142,9 +159,10 @@ def _parity(cfg_kw=None, shard_kw=None, accumulate=None, meta=False, setup=None,
 
 
 # ------------------------------------------------------------------------------- world sizes
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("ws", [1, 2, 3, 4])
-def test_default_matches_single_process_and_torch(ws):
-    run_on_ranks(ws, _parity)
+def test_default_matches_single_process_and_torch(ws, route):
+    run_on_ranks(ws, _on_route, route=route, target=_parity)
 
 
 # ------------------------------------------------------------------------------- reshard modes
@@ -167,14 +185,26 @@ def _explicit_prefetch(model):
 @pytest.mark.parametrize("mode", [True, False, None])
 def test_reshard_after_forward_modes(mode, prefetch):
     setup = {"implicit": None, "none": _no_prefetch, "explicit": _explicit_prefetch}[prefetch]
-    run_on_ranks(3, _parity, shard_kw={"reshard_after_forward": mode}, setup=setup)
+    # every prefetch order on the direct route; the staged route with the implicit order
+    for route in ROUTES if prefetch == "implicit" else ["direct"]:
+        run_on_ranks(
+            3,
+            _on_route,
+            route=route,
+            target=_parity,
+            shard_kw={"reshard_after_forward": mode},
+            setup=setup,
+        )
 
 
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_reshard_after_forward_int(prefetch):
+def test_reshard_after_forward_int(prefetch, route):
     run_on_ranks(
         4,
-        _parity,
+        _on_route,
+        route=route,
+        target=_parity,
         shard_kw={"reshard_after_forward": 2},
         oracle=False,
         setup=None if prefetch else _no_prefetch,
@@ -182,18 +212,19 @@ def test_reshard_after_forward_int(prefetch):
 
 
 # ------------------------------------------------------------------------------- accumulation
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("accumulate", ["sync", "no_sync"])
-def test_gradient_accumulation_equals_one_big_batch(accumulate):
-    run_on_ranks(2, _parity, accumulate=accumulate, oracle=False)
+def test_gradient_accumulation_equals_one_big_batch(accumulate, route):
+    run_on_ranks(2, _on_route, route=route, target=_parity, accumulate=accumulate, oracle=False)
 
 
 # ------------------------------------------------------------------------------- life cycle
 def test_meta_device_init_matches_eager_init():
-    run_on_ranks(3, _parity, meta=True, oracle=False)
+    run_on_ranks(3, _on_route, route="direct", target=_parity, meta=True, oracle=False)
 
 
 def test_activation_checkpointing():
-    run_on_ranks(2, _parity, cfg_kw={"checkpoint_blocks": True})
+    run_on_ranks(2, _on_route, route="direct", target=_parity, cfg_kw={"checkpoint_blocks": True})
 
 
 def _frozen():
@@ -219,8 +250,9 @@ def _frozen():
     assert torch.equal(model.pos_emb.weight.full_tensor(), before)
 
 
-def test_frozen_params():
-    run_on_ranks(2, _frozen)
+@pytest.mark.parametrize("route", ROUTES)
+def test_frozen_params(route):
+    run_on_ranks(2, _on_route, route=route, target=_frozen)
 
 
 def _tied_inner_group():
@@ -244,11 +276,13 @@ def _tied_inner_group():
 
 @pytest.mark.parametrize("ws", [2, 3])
 def test_tied_weights_same_group(ws):
-    run_on_ranks(ws, _parity, cfg_kw={"tie_weights": True}, oracle=False)
+    kw = {"cfg_kw": {"tie_weights": True}, "oracle": False}
+    run_on_ranks(ws, _on_route, route="direct", target=_parity, **kw)
 
 
-def test_tied_weights_across_groups():
-    run_on_ranks(3, _tied_inner_group)
+@pytest.mark.parametrize("route", ROUTES)
+def test_tied_weights_across_groups(route):
+    run_on_ranks(3, _on_route, route=route, target=_tied_inner_group)
 
 
 def _shard_dim1(p):
@@ -261,8 +295,10 @@ def _torch_shard_dim1(p):
     return TorchShard(1) if p.ndim == 2 else None
 
 
-def test_shard_placement_fn_shard1():
-    run_on_ranks(3, _parity, shard_kw={"shard_placement_fn": _shard_dim1})
+@pytest.mark.parametrize("route", ROUTES)
+def test_shard_placement_fn_shard1(route):
+    kw = {"shard_kw": {"shard_placement_fn": _shard_dim1}}
+    run_on_ranks(3, _on_route, route=route, target=_parity, **kw)
 
 
 # ------------------------------------------------------------------------------- mixed precision
@@ -290,8 +326,9 @@ def _bf16():
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
 
 
-def test_bf16_params_fp32_reduce_matches_torch():
-    run_on_ranks(2, _bf16)
+@pytest.mark.parametrize("route", ROUTES)
+def test_bf16_params_fp32_reduce_matches_torch(route):
+    run_on_ranks(2, _on_route, route=route, target=_bf16)
 
 
 # ------------------------------------------------------------------------------- layout at rest
@@ -330,5 +367,6 @@ def _hsdp():
     _compare(model, ref, losses, ref_losses)
 
 
-def test_hsdp_2d_mesh():
-    run_on_ranks(4, _hsdp)
+@pytest.mark.parametrize("route", ROUTES)
+def test_hsdp_2d_mesh(route):
+    run_on_ranks(4, _on_route, route=route, target=_hsdp)

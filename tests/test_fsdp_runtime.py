@@ -16,6 +16,7 @@ from dtensor.debug import CommDebugMode
 from examples.gpt import GPT, GPTConfig, gpt_loss
 from fsdp2 import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from tests.harness import run_on_ranks
+from tests.test_fsdp_parity import ROUTES, _on_route
 
 VOCAB, SEQ = 67, 3
 
@@ -86,9 +87,11 @@ def _counts(reshard_after_forward):
         assert bwd.get_total_bytes("all_gather") == (block_bytes if resharded_blocks else 0)
 
 
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("reshard_after_forward", [None, False])
-def test_collective_counts_and_bytes(reshard_after_forward):
-    run_on_ranks(2, _counts, reshard_after_forward=reshard_after_forward)
+def test_collective_counts_and_bytes(reshard_after_forward, route):
+    kw = {"reshard_after_forward": reshard_after_forward}
+    run_on_ranks(2, _on_route, route=route, target=_counts, **kw)
 
 
 def _counts_int():
@@ -224,8 +227,9 @@ def _used_on_some_ranks():
         torch.testing.assert_close(p.grad.full_tensor(), want, rtol=1e-5, atol=1e-6)
 
 
-def test_parameter_used_on_some_ranks_only():
-    run_on_ranks(3, _used_on_some_ranks)
+@pytest.mark.parametrize("route", ROUTES)
+def test_parameter_used_on_some_ranks_only(route):
+    run_on_ranks(3, _on_route, route=route, target=_used_on_some_ranks)
 
 
 def _dtype_and_state_dict():

@@ -7,6 +7,7 @@ of its own, and training must still match one process exactly as before.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import sys
 
@@ -17,7 +18,7 @@ from fsdp2 import _host_memory
 from fsdp2._collectives import NO_POOL, BufferPool
 from fsdp2._host_memory import HostRegion
 from tests.harness import run_on_ranks
-from tests.test_fsdp_parity import _parity
+from tests.test_fsdp_parity import _on_route, _parity
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/statm")
 
@@ -133,7 +134,8 @@ def _in_mappings(target, **kw):
 
 
 def _parity_in_mappings(**kw):
-    _in_mappings(_parity, oracle=False, **kw)
+    # the direct route: the one large groups take, where pages are backed before messages land
+    _in_mappings(functools.partial(_on_route, "direct", _parity), oracle=False, **kw)
 
 
 @pytest.mark.parametrize(
@@ -160,5 +162,9 @@ def _regions_dropped_after_step():
     assert not _host_memory.PAGES._held  # and none held back after backward
 
 
+def _regions_on_direct_route():
+    _on_route("direct", _regions_dropped_after_step)
+
+
 def test_unsharded_params_live_in_regions_and_are_dropped():
-    run_on_ranks(2, _in_mappings, target=_regions_dropped_after_step)
+    run_on_ranks(2, _in_mappings, target=_regions_on_direct_route)
