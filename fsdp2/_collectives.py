@@ -231,34 +231,37 @@ def reduce_blocks(
     """
     size = group.size()
     debug.record("reduce_scatter", _dim_label(mesh, label), size, size * width * flags.itemsize)
-    peers = [(rank + step) % size for step in range(1, size)]
+    # Row i of ``recv`` holds what the i-th other rank, in rank order, sends us.
+    others = [r for r in range(size) if r != rank]
     recv = pool.get((size - 1, width), flags.dtype, flags.device)
     n_values = width - flags.numel()
     works = []
     flags_tag = _REDUCE_TAG + len(pieces)
-    for i, src in enumerate(peers[::-1]):  # the ranks that send to us, in posting order
+    for i, src in enumerate(others):
         for tag, (_, _, counts, slot) in enumerate(pieces):
             if counts[rank]:
                 into = recv[i, slot : slot + counts[rank]]
                 works.append(group.recv([into], src, _REDUCE_TAG + tag))
         works.append(group.recv([recv[i, n_values:]], src, flags_tag))
-    for dst in peers:
+    for dst in others:
         for tag, (grad, padded, counts, _) in enumerate(pieces):
             if counts[dst]:
                 block = grad[dst * padded : dst * padded + counts[dst]]
                 works.append(group.send([block], dst, _REDUCE_TAG + tag))
         works.append(group.send([flags], dst, flags_tag))
-    row_of = {src: i for i, src in enumerate(peers[::-1])}
+
+    def in_rank_order(own: torch.Tensor, received: torch.Tensor) -> list[torch.Tensor]:
+        return [*received[:rank], own, *received[rank:]]
 
     def finish() -> torch.Tensor:
         total = torch.empty(width, dtype=flags.dtype, device=flags.device)
         for grad, padded, counts, slot in pieces:
             n = counts[rank]
             own = grad[rank * padded : rank * padded + n]
-            _sum_in_rank_order(total[slot : slot + n], own, recv[:, slot : slot + n], rank, row_of)
+            _sum_into(total[slot : slot + n], in_rank_order(own, recv[:, slot : slot + n]))
             if n < padded:
                 total[slot + n : slot + padded].zero_()
-        _sum_in_rank_order(total[n_values:], flags, recv[:, n_values:], rank, row_of)
+        _sum_into(total[n_values:], in_rank_order(flags, recv[:, n_values:]))
         pool.put(recv)
         if divide_by != 1:
             total.div_(divide_by)
@@ -267,27 +270,22 @@ def reduce_blocks(
     return Pending(_Exchange(works, [p[0] for p in pieces] + [flags]), finish)
 
 
-def _sum_in_rank_order(out, own, received, rank: int, row_of: dict[int, int]) -> None:
-    """``out`` = the sum over ranks, in rank order, of ``own`` (this rank's) and the rows of
-    ``received`` (``row_of`` maps a rank to its row)."""
-    parts = [own if r == rank else received[row_of[r]] for r in range(len(row_of) + 1)]
+def _sum_into(out: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
+    """``out`` = the sum of ``parts``, added in the order given."""
     if len(parts) == 1:
-        out.copy_(parts[0])
-        return
+        return out.copy_(parts[0])
     torch.add(parts[0], parts[1], out=out)
     for part in parts[2:]:
         out.add_(part)
+    return out
 
 
 def _combine(recv: torch.Tensor, divide_by: float) -> torch.Tensor:
     """Sum the received rows in rank order, divided by ``divide_by`` (one pass when it is
     the row count: ``mean`` measured 3x faster than ``sum(0)`` + ``div_`` here)."""
-    k = recv.size(0)
-    if divide_by == k:
+    if divide_by == recv.size(0):
         return recv.mean(0)
-    total = recv[0].clone() if k == 1 else torch.add(recv[0], recv[1])
-    for j in range(2, k):
-        total.add_(recv[j])
+    total = _sum_into(torch.empty_like(recv[0]), list(recv))
     if divide_by != 1:
         total.div_(divide_by)
     return total

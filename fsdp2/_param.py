@@ -177,19 +177,22 @@ class FSDPParam:
         """Elements in each rank's shard (the last ranks may hold fewer, or none)."""
         return [n * self.row_numel for n in chunk_sizes(self.rows, self.mesh_info.shard_size)]
 
-    def shard_run(self, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's shard as one contiguous 1-D run in the rank-major layout and ``dtype``:
-        the shard itself when it already is one, else a converted copy."""
-        src = self.local.movedim(self.shard_dim, 0) if self.shard_dim else self.local
+    def _as_run(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``t`` (shaped like this parameter, or like its shard) as one contiguous 1-D run
+        with the shard dim first, in ``dtype``: ``t`` itself when it already is one."""
+        src = t.movedim(self.shard_dim, 0) if self.shard_dim else t
         return src.to(dtype).contiguous().view(-1)
 
+    def shard_run(self, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's shard as one contiguous 1-D run in the rank-major layout."""
+        return self._as_run(self.local, dtype)
+
     def grad_run(self, grad: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """An unsharded gradient as one contiguous 1-D run in the rank-major layout and
-        ``dtype`` (rank ``j``'s block starts at ``j * padded_numel``); zeros for ``None``."""
+        """An unsharded gradient as one contiguous 1-D run in the rank-major layout (rank
+        ``j``'s block starts at ``j * padded_numel``); zeros for ``None``."""
         if grad is None:
             return torch.zeros(self.rows * self.row_numel, dtype=dtype, device=self.local.device)
-        src = grad.movedim(self.shard_dim, 0) if self.shard_dim else grad
-        return src.to(dtype).contiguous().view(-1)
+        return self._as_run(grad, dtype)
 
     # ------------------------------------------------------------------------- unsharded side
     def ensure_unsharded(self, dtype: torch.dtype, device: torch.device) -> None:

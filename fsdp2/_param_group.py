@@ -99,7 +99,6 @@ class FSDPParamGroup:
         # runtime
         self.is_unsharded = False
         self._gather: C.Pending | None = None
-        self._gather_is_direct = False  # the all-gather writes into the parameters itself
         self._post_forward_rows: torch.Tensor | None = None
 
     # --------------------------------------------------------------------------- dtypes
@@ -215,13 +214,8 @@ class FSDPParamGroup:
         info = self.mesh_info
         me = info.shard_rank
         pieces = []
-        with contextlib.ExitStack() as stack:
+        with _versions_preserved(self.params):  # gloo's own writes bypass the counter anyway
             for p in self.params:
-                # The writes must not bump the version counter autograd checks on saved
-                # tensors (gloo's writes bypass it anyway).
-                stack.enter_context(
-                    torch.autograd._unsafe_preserve_version_counter(p.unsharded_param)
-                )
                 p.back_pages()
                 send, blocks, counts = (
                     p.shard_run(self.param_dtype),
@@ -239,7 +233,6 @@ class FSDPParamGroup:
             label=info.shard_mesh_dim,
             mesh=info.mesh,
         )
-        self._gather_is_direct = True
 
     def _input_rows(self, group, k: int, n: int) -> torch.Tensor:
         """All-gather input: ``k`` copies of our row on gloo (all-to-all), one elsewhere."""
@@ -250,11 +243,9 @@ class FSDPParamGroup:
         """Finish a started all-gather and swap the unsharded parameters in."""
         if self._gather is None:
             return
-        out = self._gather.wait()
+        out = self._gather.wait()  # None when the messages landed in the parameters
         self._gather = self._gather_input = None
-        if self._gather_is_direct:
-            self._gather_is_direct = False
-        else:
+        if out is not None:
             self._copy_out(out.view(self.mesh_info.shard_size, -1))
         for p in self.params:
             p.to_unsharded()
@@ -264,12 +255,7 @@ class FSDPParamGroup:
         """Copy each parameter's blocks out of the gathered rank-major rows."""
         for p in self.params:
             p.back_pages()
-        with contextlib.ExitStack() as stack:
-            # The copy must not bump the version counter autograd checks on saved tensors.
-            for p in self.params:
-                stack.enter_context(
-                    torch.autograd._unsafe_preserve_version_counter(p.unsharded_param)
-                )
+        with _versions_preserved(self.params):
             torch.split_with_sizes_copy(
                 rows,
                 [p.padded_numel for p in self.params],
@@ -466,3 +452,13 @@ def _hold_pages_for(params) -> None:
     see [Note: host memory]), for the next group to take while it gathers."""
     nbytes = sum(p.region_bytes() for p in params)
     _host_memory.PAGES.keep_bytes = max(_host_memory.PAGES.keep_bytes, nbytes)
+
+
+@contextlib.contextmanager
+def _versions_preserved(params):
+    """Writes into the unsharded parameters inside this block leave their version counters
+    alone: autograd checks them on saved tensors, and a refill is not a modification."""
+    with contextlib.ExitStack() as stack:
+        for p in params:
+            stack.enter_context(torch.autograd._unsafe_preserve_version_counter(p.unsharded_param))
+        yield
