@@ -6,6 +6,7 @@ Example:
     >>> mesh["tp"].get_group()
 """
 
+from device_mesh._interop import as_device_mesh
 from device_mesh.mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["DeviceMesh", "init_device_mesh"]
+__all__ = ["DeviceMesh", "init_device_mesh", "as_device_mesh"]

@@ -99,18 +99,22 @@ def _world_backend_serves(backend: str) -> bool:
     return backend in world_backend
 
 
-def get_group(ranks: tuple[int, ...], backend: str):
+def get_group(ranks: tuple[int, ...], backend: str, *, create: bool = True):
     """Return the process group over ``ranks`` (sorted by global rank), creating it once.
 
     Must be called by every rank of the default group, in the same order, the first time a
     given rank set is requested; later requests are served from the cache without
     communication. Returns ``GroupMember.NON_GROUP_MEMBER`` on ranks outside ``ranks``.
+    With ``create=False`` a group missing from the cache is a ``LookupError`` (rebuilding an
+    unpickled mesh must never start a collective that only this rank joins).
     """
     _drop_stale_cache()
     key = (backend, tuple(sorted(ranks)))
     group = _GROUP_CACHE.get(key)
     if group is not None:
         return group
+    if not create:
+        raise LookupError(f"no cached {backend} process group over ranks {key[1]}")
     world = dist.get_world_size()
     if key[1] == tuple(range(world)) and _world_backend_serves(backend):
         group = dist.group.WORLD
@@ -129,6 +133,14 @@ def _drop_stale_cache() -> None:
     if _CACHE_WORLD[0] is not dist.group.WORLD:
         _GROUP_CACHE.clear()
         _CACHE_WORLD[0] = dist.group.WORLD
+
+
+def register_group(group, backend: str) -> None:
+    """Cache an existing process group (``DeviceMesh.from_group``) under its rank set, so
+    meshes built from it can be sliced, compared and unpickled without creating groups."""
+    _drop_stale_cache()
+    ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+    _GROUP_CACHE.setdefault((backend, ranks), group)
 
 
 def clear_cache() -> None:

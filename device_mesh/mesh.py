@@ -56,12 +56,16 @@ class DeviceMesh:
         mesh_tensor = _as_mesh_tensor(mesh)
         names = _check_dim_names(mesh_dim_names, mesh_tensor.ndim, api="DeviceMesh")
         _check_ranks(mesh_tensor, dist.get_world_size())
+        self._init_root(device_type, backend, mesh_tensor, names)
+        self._dim_groups = [self._create_dim_groups(d) for d in range(self.ndim)]
+        logger.info("built %r", self)
+
+    def _init_root(self, device_type, backend, mesh_tensor, names) -> None:
         self._init(device_type, backend, mesh_tensor, names)
         self._root: DeviceMesh = self
         self._root_dims: tuple[int, ...] = tuple(range(mesh_tensor.ndim))
         self._flattened: dict[str, DeviceMesh] = {}
-        self._dim_groups = [self._create_dim_groups(d) for d in range(self.ndim)]
-        logger.info("built %r", self)
+        self._origin = ("root", device_type, mesh_tensor.tolist(), names)
 
     # ----------------------------------------------------------------------------- building
     def _init(self, device_type, backend, mesh_tensor, names) -> None:
@@ -84,6 +88,66 @@ class DeviceMesh:
                 mine = group
         return mine
 
+    def _cached_dim_group(self, mesh_dim: int):
+        """This rank's group along ``mesh_dim`` from the cache (None off the mesh)."""
+        if self._coordinate is None:
+            return None
+        ranks = self.ranks_along(mesh_dim)
+        return _groups.get_group(tuple(ranks), self._backend, create=False)
+
+    @classmethod
+    def from_group(
+        cls,
+        group,
+        device_type: str,
+        mesh: torch.Tensor | Sequence | None = None,
+        *,
+        mesh_dim_names: tuple[str, ...] | None = None,
+    ) -> DeviceMesh:
+        """A mesh over existing process groups (no group is created).
+
+        One group gives a 1-D mesh over its ranks (``mesh`` optional). A list of groups gives
+        a mesh with one dim per group; then ``mesh`` (the global ranks) is required and group
+        ``d`` must be this rank's slice along mesh dim ``d``.
+
+        Raises:
+            ValueError: the groups do not match ``mesh``, or ``mesh`` is missing for a list.
+
+        Example:
+            >>> pg = dist.new_group([0, 1])                  # every rank calls new_group
+            >>> stage = DeviceMesh.from_group(pg, "cpu")     # on ranks 0 and 1
+        """
+        api = "DeviceMesh.from_group"
+        backend = _groups.backend_for(device_type, api=api)
+        groups = list(group) if isinstance(group, (list, tuple)) else [group]
+        if mesh is None:
+            if len(groups) != 1:
+                raise ValueError(
+                    f"{api}: mesh is required with {len(groups)} groups, got None. Pass the "
+                    "global ranks, e.g. mesh=torch.arange(4).view(2, 2)."
+                )
+            mesh = dist.get_process_group_ranks(groups[0])
+        mesh_tensor = _as_mesh_tensor(mesh)
+        names = _check_dim_names(mesh_dim_names, mesh_tensor.ndim, api=api)
+        _check_ranks(mesh_tensor, dist.get_world_size())
+        if len(groups) != mesh_tensor.ndim:
+            raise ValueError(
+                f"{api}: one group per mesh dim ({mesh_tensor.ndim}) is needed, got "
+                f"{len(groups)} group(s)."
+            )
+        out = cls.__new__(cls)
+        out._init_root(device_type, backend, mesh_tensor, names)
+        for d, g in enumerate(groups):
+            ranks = dist.get_process_group_ranks(g)
+            if out._coordinate is not None and sorted(ranks) != sorted(out.ranks_along(d)):
+                raise ValueError(
+                    f"{api}: group {d} holds ranks {ranks} but this rank's slice of mesh dim "
+                    f"{d} is {out.ranks_along(d)}. Pass the groups in mesh-dim order."
+                )
+            _groups.register_group(g, backend)
+        out._dim_groups = groups
+        return out
+
     @classmethod
     def _view(cls, root: DeviceMesh, mesh_tensor, names, root_dims, dim_groups) -> DeviceMesh:
         """A sub-mesh of ``root`` sharing its groups (no group is created)."""
@@ -93,6 +157,7 @@ class DeviceMesh:
         sub._root_dims = root_dims
         sub._flattened = {}
         sub._dim_groups = list(dim_groups)
+        sub._origin = ("slice", root, names)
         return sub
 
     # ----------------------------------------------------------------------------- queries
@@ -166,7 +231,13 @@ class DeviceMesh:
             >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
             >>> dist.all_reduce(t, group=mesh.get_group("tp"))   # sums over this rank's row
         """
-        return self._dim_groups[self._dim_or_only(mesh_dim, api="DeviceMesh.get_group")]
+        group = self._dim_groups[self._dim_or_only(mesh_dim, api="DeviceMesh.get_group")]
+        if self._coordinate is None:
+            raise RuntimeError(
+                f"DeviceMesh.get_group: rank {self._rank} is not in {self!r}; only member "
+                "ranks have its process groups."
+            )
+        return group
 
     def get_all_groups(self) -> list:
         """The process group of every mesh dim, in mesh-dim order."""
@@ -179,6 +250,8 @@ class DeviceMesh:
             >>> init_device_mesh("cpu", (2, 2)).ranks_along(1)   # [2, 3] on rank 2
         """
         d = self._dim_index(mesh_dim, api="DeviceMesh.ranks_along")
+        if self._coordinate is None:
+            raise RuntimeError(f"DeviceMesh.ranks_along: rank {self._rank} is not in {self!r}.")
         index = list(self._coordinate)
         index[d] = slice(None)
         return self._mesh[tuple(index)].tolist()
@@ -198,6 +271,11 @@ class DeviceMesh:
         dims = self._resolve_slice(wanted)
         if dims == tuple(range(self.ndim)):
             return self
+        if self._coordinate is None:
+            raise RuntimeError(
+                f"DeviceMesh.__getitem__: rank {self._rank} is not in {self!r}, so it has no "
+                "slice of it. Slice the mesh only on its member ranks."
+            )
         index = [slice(None) if d in dims else c for d, c in enumerate(self._coordinate)]
         return DeviceMesh._view(
             self._root,
@@ -274,13 +352,38 @@ class DeviceMesh:
             root._flattened[name] = flat
         return flat
 
-    def _build_flat(self, name: str | None) -> DeviceMesh:
+    def _flatten(self, mesh_dim_name: str | None = None, backend_override=None) -> DeviceMesh:
+        """PyTorch's spelling of ``flatten`` (recipes call it): the same mesh, same cache.
+
+        ``backend_override`` is accepted for signature compatibility and must be None: every
+        group of a mesh uses the mesh's backend.
+
+        Example:
+            >>> mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "cp", "tp"))
+            >>> mesh["dp", "cp"]._flatten("dp_cp").size()
+            2
+        """
+        if backend_override is not None:
+            raise NotImplementedError(
+                f"DeviceMesh._flatten: backend_override must be None, got {backend_override!r}; "
+                f"this mesh's groups all use {self._backend!r}."
+            )
+        if self._dim_names is None:
+            raise RuntimeError(
+                "DeviceMesh._flatten: this mesh has no mesh_dim_names; pass mesh_dim_names "
+                "when building it, or call flatten(name) instead."
+            )
+        return self.flatten(mesh_dim_name or None)
+
+    def _build_flat(self, name: str | None, *, create: bool = True) -> DeviceMesh:
         root = self._root
         others = [d for d in range(root.ndim) if d not in self._root_dims]
         rows = root._mesh.permute(*others, *self._root_dims).reshape(-1, self.size())
         mine = None
         for row in rows.tolist():
-            group = _groups.get_group(tuple(row), self._backend)
+            if not create and self._rank not in row:
+                continue
+            group = _groups.get_group(tuple(row), self._backend, create=create)
             if self._rank in row:
                 mine = group
         flat_ranks = self._mesh.reshape(-1)
@@ -288,6 +391,7 @@ class DeviceMesh:
         flat._root = flat
         flat._root_dims = (0,)
         flat._flat_of = self._root_dims
+        flat._origin = ("flat", self, name)
         # Slicing the root by the flat name must find this mesh.
         flat._flattened = root._flattened
         return flat
@@ -340,15 +444,66 @@ class DeviceMesh:
         names = f", mesh_dim_names={self._dim_names}" if self._dim_names else ""
         return f"DeviceMesh({self._device_type!r}, {self._mesh.tolist()}{names})"
 
+    # ----------------------------------------------------------------------------- copies
+    def __copy__(self) -> DeviceMesh:
+        return self  # meshes are immutable and hold process groups: copies share them
+
     def __deepcopy__(self, memo) -> DeviceMesh:
-        # Meshes are immutable and hold process groups: copies share them.
         return self
 
     def __reduce__(self):
-        raise TypeError(
-            "DeviceMesh cannot be pickled: it holds process groups. Rebuild it with "
-            "init_device_mesh in the receiving process."
-        )
+        """Pickle as a description (device type, ranks, names, how it was sliced or
+        flattened); unpickling rebuilds it from this process's cached groups, creating none.
+
+        Example:
+            >>> pickle.loads(pickle.dumps(mesh["tp"])) == mesh["tp"]
+            True
+        """
+        return (_rebuild_mesh, (_describe(self),))
+
+
+def _describe(mesh: DeviceMesh) -> tuple:
+    """A picklable description of ``mesh``: nested tuples of str, int and lists."""
+    kind = mesh._origin[0]
+    if kind == "root":
+        return mesh._origin
+    if kind == "slice":
+        _, root, names = mesh._origin
+        return ("slice", _describe(root), names)
+    _, source, name = mesh._origin
+    return ("flat", _describe(source), name)
+
+
+def _rebuild_mesh(description: tuple) -> DeviceMesh:
+    """Inverse of ``_describe``: the mesh again, from the process groups this process has
+    cached (a missing group is an error, never a new collective)."""
+    kind = description[0]
+    try:
+        if kind == "root":
+            _, device_type, ranks, names = description
+            mesh = DeviceMesh.__new__(DeviceMesh)
+            mesh._init_root(
+                device_type, _groups.backend_for(device_type), _as_mesh_tensor(ranks), names
+            )
+            mesh._dim_groups = [mesh._cached_dim_group(d) for d in range(mesh.ndim)]
+            return mesh
+        if kind == "slice":
+            _, root, names = description
+            return _rebuild_mesh(root)[names]
+        _, source, name = description
+        source = _rebuild_mesh(source)
+        if name is not None and name in source._root._flattened:
+            return source._root._flattened[name]
+        flat = source._build_flat(name, create=False)
+        if name is not None:
+            source._root._flattened[name] = flat
+        return flat
+    except LookupError as e:
+        raise RuntimeError(
+            f"DeviceMesh: cannot unpickle {description!r} in this process: {e}. A mesh is "
+            "rebuilt from the process groups this process already has; build the same mesh "
+            "with init_device_mesh (on every rank) before unpickling."
+        ) from None
 
 
 def init_device_mesh(
@@ -422,10 +577,10 @@ def _check_ranks(mesh: torch.Tensor, world: int) -> None:
             f"DeviceMesh: mesh must list every rank once, got duplicate rank(s) {dupes} in "
             f"{mesh.tolist()}. Give each rank exactly one cell."
         )
-    if len(flat) != world:
+    if len(flat) > world:
         raise ValueError(
             f"DeviceMesh: mesh_shape {tuple(mesh.shape)} holds {len(flat)} ranks but the "
-            f"world size is {world}. Use a mesh with exactly {world} ranks."
+            f"world size is {world}. Use a mesh of at most {world} ranks."
         )
     bad = [r for r in flat if not 0 <= r < world]
     if bad:

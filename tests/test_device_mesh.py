@@ -133,7 +133,7 @@ def _check_errors():
     ):
         init_device_mesh("cpu", (3,))
     with pytest.raises(ValueError, match="world size is 2"):
-        DeviceMesh("cpu", [0])
+        DeviceMesh("cpu", [0, 1, 2])
     with pytest.raises(ValueError, match=r"duplicate rank\(s\) \[1\]"):
         DeviceMesh("cpu", [1, 1])
     with pytest.raises(ValueError, match=r"must lie in \[0, 2\)"):
@@ -170,10 +170,6 @@ def _check_errors():
             init_device_mesh("cuda", (world,))
     with pytest.raises(RuntimeError, match="no mesh_dim_names"):
         init_device_mesh("cpu", (world,))["dp"]
-    with pytest.raises(TypeError, match="cannot be pickled"):
-        import pickle
-
-        pickle.dumps(mesh)
 
 
 def test_bad_input_gives_clear_errors():
