@@ -7,6 +7,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from device_mesh import as_device_mesh
+from dtensor import _collectives as C
 from dtensor import debug
 from dtensor._redistribute import local_chunk, replicate_to_partial
 from dtensor._spec import DTensorSpec, TensorMeta, contiguous_stride
@@ -41,6 +43,7 @@ def distribute_tensor(
     api = "distribute_tensor"
     if device_mesh is None:
         raise ValueError(f"{api}: device_mesh is required, got None. Pass the mesh.")
+    device_mesh = as_device_mesh(device_mesh, api=api, argument="device_mesh")
     if isinstance(tensor, DTensor):
         raise TypeError(f"{api}: tensor is already a DTensor; use tensor.redistribute(...).")
     placements = normalize_placements(placements, device_mesh.ndim, tensor.ndim, api=api)
@@ -116,6 +119,7 @@ def distribute_module(
     """
     if device_mesh is None:
         raise ValueError("distribute_module: device_mesh is required, got None.")
+    device_mesh = as_device_mesh(device_mesh, api="distribute_module", argument="device_mesh")
     for name, sub in module.named_modules():
         if partition_fn is not None:
             partition_fn(name, sub, device_mesh)
@@ -139,6 +143,7 @@ def _factory(fill, size, device_mesh, placements, dtype, requires_grad, api):
     shape = torch.Size(size)
     if device_mesh is None:
         raise ValueError(f"{api}: device_mesh is required, got None.")
+    device_mesh = as_device_mesh(device_mesh, api=api, argument="device_mesh")
     placements = normalize_placements(placements, device_mesh.ndim, len(shape), api=api)
     if any(isinstance(p, Partial) for p in placements):
         raise ValueError(
@@ -148,14 +153,20 @@ def _factory(fill, size, device_mesh, placements, dtype, requires_grad, api):
     dtype = dtype or torch.get_default_dtype()
     spec = DTensorSpec(device_mesh, placements, TensorMeta(shape, contiguous_stride(shape), dtype))
     local_shape, _ = spec.local_shape_and_offset()
-    local = fill(local_shape, dtype, spec)
+    local = fill(local_shape, dtype, spec, _mesh_device(device_mesh))
     return DTensor(local, spec, requires_grad=requires_grad)
+
+
+def _mesh_device(mesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
 
 
 def zeros(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):
     """A DTensor of zeros. Example: ``zeros(7, 5, device_mesh=mesh, placements=[Shard(0)])``."""
     return _factory(
-        lambda s, d, _: torch.zeros(s, dtype=d),
+        lambda s, d, _, dev: torch.zeros(s, dtype=d, device=dev),
         size,
         device_mesh,
         placements,
@@ -168,7 +179,7 @@ def zeros(*size, device_mesh=None, placements=None, dtype=None, requires_grad=Fa
 def ones(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):
     """A DTensor of ones. Example: ``ones(4, device_mesh=mesh)``."""
     return _factory(
-        lambda s, d, _: torch.ones(s, dtype=d),
+        lambda s, d, _, dev: torch.ones(s, dtype=d, device=dev),
         size,
         device_mesh,
         placements,
@@ -181,7 +192,7 @@ def ones(*size, device_mesh=None, placements=None, dtype=None, requires_grad=Fal
 def empty(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):
     """An uninitialized DTensor. Example: ``empty(4, 4, device_mesh=mesh)``."""
     return _factory(
-        lambda s, d, _: torch.empty(s, dtype=d),
+        lambda s, d, _, dev: torch.empty(s, dtype=d, device=dev),
         size,
         device_mesh,
         placements,
@@ -194,7 +205,7 @@ def empty(*size, device_mesh=None, placements=None, dtype=None, requires_grad=Fa
 def full(size, fill_value, *, device_mesh=None, placements=None, dtype=None, requires_grad=False):
     """A DTensor filled with ``fill_value``. Example: ``full((2, 3), 7.0, device_mesh=mesh)``."""
     return _factory(
-        lambda s, d, _: torch.full(s, fill_value, dtype=d),
+        lambda s, d, _, dev: torch.full(s, fill_value, dtype=d, device=dev),
         tuple(size),
         device_mesh,
         placements,
@@ -205,16 +216,45 @@ def full(size, fill_value, *, device_mesh=None, placements=None, dtype=None, req
 
 
 def _random(draw):
-    """Draw the full tensor from the (rank-identical) RNG stream and keep the local piece,
-    so the result equals ``torch.rand``/``torch.randn`` of the global shape in one process."""
+    """Draw the full tensor from one RNG stream shared by the mesh and keep the local piece.
 
-    def fill(local_shape, dtype, spec):
-        full_t = draw(tuple(spec.shape), dtype=dtype)
+    The mesh's first rank's generator state is broadcast to every rank first (one small
+    broadcast per mesh dim), so replicas hold equal values and shards are slices of one
+    draw even when ranks were seeded differently; on the first rank the result equals
+    ``torch.rand``/``torch.randn`` of the global shape, and afterwards every rank's
+    generator is in the state the first rank's is in.
+    """
+
+    def fill(local_shape, dtype, spec, device):
+        sync_rng_state(spec.mesh, device)
+        full_t = draw(tuple(spec.shape), dtype=dtype, device=device)
         _, offset = spec.local_shape_and_offset()
         idx = tuple(slice(o, o + s) for o, s in zip(offset, local_shape))
         return full_t[idx].clone()
 
     return fill
+
+
+def sync_rng_state(mesh, device: torch.device) -> None:
+    """Give every rank of ``mesh`` the default generator state of its first rank.
+
+    Example:
+        >>> torch.manual_seed(dist.get_rank())   # ranks disagree...
+        >>> sync_rng_state(mesh, torch.device("cpu"))
+        >>> torch.rand(3)                         # ...and now draw the same values
+    """
+    if all(s == 1 for s in mesh.shape):
+        return
+    cuda = device.type == "cuda"
+    state = torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
+    wire = state.to(device) if cuda else state.clone()
+    for mesh_dim in range(mesh.ndim):
+        if mesh.size(mesh_dim) > 1:
+            wire = C.broadcast(wire, mesh, mesh_dim, 0)
+    if cuda:
+        torch.cuda.set_rng_state(wire.cpu(), device)
+    else:
+        torch.set_rng_state(wire)
 
 
 def rand(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):

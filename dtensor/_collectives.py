@@ -7,6 +7,14 @@ returns the result. Every call is reported to ``dtensor.debug``.
 [Note: padding] gloo and NCCL need every rank to contribute the same number of elements.
 A shard is padded along its tensor dim up to ``padded_chunk_size``; after an all-gather, each
 rank's block is cut back to its real ``chunk_sizes`` entry.
+
+[Note: row collectives on gloo] gloo's ring all-gather and its reduce-scatter (an all-reduce
+plus copies inside torch) are slower on this project's CPU machines than an all-to-all of
+padded rows: an all-gather sends our row to every peer (the row repeated once per rank) and
+a reduce-scatter sends each peer its row and sums what comes back, in rank order. The
+measurements are in docs/dtensor.md. ``all_gather_rows`` and ``reduce_rows`` are those two
+forms (a real all-gather / reduce-scatter on NCCL); DTensor's redistribution and fsdp2's
+grouped collectives both use them.
 """
 
 from __future__ import annotations
@@ -64,8 +72,116 @@ class Pending:
         return Pending(None, lambda: t)
 
 
-def _backend_is_gloo(group) -> bool:
+def backend_is_gloo(group) -> bool:
+    """Whether ``group`` runs on gloo (the row collectives then use all-to-alls)."""
     return "gloo" in str(dist.get_backend(group)).lower()
+
+
+# --------------------------------------------------------------------------- row collectives
+def _get(pool, shape, dtype, device) -> torch.Tensor:
+    if pool is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return pool.get(shape, dtype, device)
+
+
+def all_gather_rows(
+    rows_in: torch.Tensor, group, group_size: int, *, label=None, mesh=None, pool=None
+) -> Pending:
+    """All-gather of one row per rank: the result is ``(group_size, N)`` with row ``r`` from
+    rank ``r``, and ``rows_in[0]`` (``(group_size, N)``) is this rank's row.
+
+    On gloo ``rows_in`` must hold the same row ``group_size`` times: the gather is an
+    all-to-all ([Note: row collectives on gloo]). Elsewhere only ``rows_in[0]`` is read.
+    ``pool`` (an object with ``get(shape, dtype, device)`` and ``put(tensor)``) supplies the
+    output and takes the input back once the collective has finished; None allocates.
+    """
+    n = rows_in.size(1)
+    debug.record("all_gather", _dim_label(mesh, label), group_size, n * rows_in.element_size())
+    out = _get(pool, (group_size, n), rows_in.dtype, rows_in.device)
+    if backend_is_gloo(group):
+        work = dist.all_to_all_single(out, rows_in, group=group, async_op=True)
+    else:
+        work = _all_gather_flat(out.view(-1), rows_in[0], group=group, async_op=True)
+
+    def finish():
+        if pool is not None:
+            pool.put(rows_in)
+        return out
+
+    return Pending(work, finish)
+
+
+def sum_into(out: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
+    """``out`` = the sum of ``parts``, added in the order given."""
+    if len(parts) == 1:
+        return out.copy_(parts[0])
+    torch.add(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        out.add_(part)
+    return out
+
+
+def combine_rows(recv: torch.Tensor, divide_by: float = 1.0, op: str = "sum") -> torch.Tensor:
+    """Reduce the rows of ``recv`` (``(k, N)``) in rank order: a sum divided by
+    ``divide_by`` (one pass when that is ``k``: ``mean``), or the elementwise max / min."""
+    if op == "max":
+        return recv.amax(0)
+    if op == "min":
+        return recv.amin(0)
+    if divide_by == recv.size(0) and recv.size(0) > 1:
+        return recv.mean(0)
+    total = sum_into(torch.empty_like(recv[0]), list(recv))
+    if divide_by != 1:
+        total.div_(divide_by)
+    return total
+
+
+def reduce_rows(
+    rows: torch.Tensor,
+    rank: int,
+    group,
+    *,
+    divide_by: float = 1.0,
+    op: str = "sum",
+    label=None,
+    mesh=None,
+    pool=None,
+) -> Pending:
+    """Reduce ``rows`` (``(group_size, N)``, row ``r`` destined for rank ``r``) over the
+    group: this rank gets its row summed (``op="sum"``, then divided by ``divide_by``) or
+    its elementwise ``"max"`` / ``"min"``.
+
+    The result is a fresh ``(N,)`` tensor that owns its memory. On gloo this is an
+    all-to-all followed by a local reduction in rank order ([Note: row collectives on
+    gloo]); it moves (k-1)/k of the buffer per rank instead of twice that.
+    """
+    k = rows.size(0)
+    debug.record("reduce_scatter", _dim_label(mesh, label), k, rows.numel() * rows.element_size())
+    if k == 1:
+        return Pending(None, lambda: combine_rows(rows, divide_by, op))
+    if backend_is_gloo(group) or op != "sum":
+        recv = _get(pool, tuple(rows.shape), rows.dtype, rows.device)
+        work = dist.all_to_all_single(recv, rows, group=group, async_op=True)
+
+        def finish():
+            total = combine_rows(recv, divide_by, op)
+            if pool is not None:
+                pool.put(rows)
+                pool.put(recv)
+            return total
+
+        return Pending(work, finish)
+    out = torch.empty(rows.size(1), dtype=rows.dtype, device=rows.device)
+    work = _reduce_scatter_flat(
+        out, rows.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True
+    )
+
+    def finish_rs():
+        if pool is not None:
+            pool.put(rows)
+        return out.div_(divide_by) if divide_by != 1 else out
+
+    return Pending(work, finish_rs)
 
 
 def _pad_dim0(t: torch.Tensor, size: int) -> torch.Tensor:
@@ -83,19 +199,20 @@ def all_gather(
     k = mesh.size(mesh_dim)
     pad = padded_chunk_size(full_size, k)
     x = _pad_dim0(local.movedim(tensor_dim, 0), pad)  # (pad, ...)
-    out = x.new_empty((k * pad, *x.shape[1:]))
-    debug.record("all_gather", _dim_label(mesh, mesh_dim), k, x.numel() * x.element_size())
-    work = _all_gather_flat(out, x, group=group, async_op=async_op)
+    row = x.reshape(1, -1)
+    rows = row.expand(k, -1).contiguous() if backend_is_gloo(group) else row
+    gathered = all_gather_rows(rows, group, k, label=mesh_dim, mesh=mesh)
     sizes = chunk_sizes(full_size, k)
 
     def finish():
+        out = gathered.wait().view(k * pad, *x.shape[1:])
         if all(s == pad for s in sizes):
             full = out
         else:
             full = torch.cat([out[i * pad : i * pad + s] for i, s in enumerate(sizes)])
         return full.movedim(0, tensor_dim).contiguous()
 
-    return Pending(work, finish) if async_op else Pending.ready(finish())
+    return Pending(None, finish) if async_op else Pending.ready(finish())
 
 
 def all_reduce(local, mesh, mesh_dim: int, partial: Partial, *, async_op=False) -> Pending:
@@ -113,38 +230,43 @@ def all_reduce(local, mesh, mesh_dim: int, partial: Partial, *, async_op=False) 
 def reduce_scatter(
     local, mesh, mesh_dim: int, tensor_dim: int, partial: Partial, *, async_op=False
 ) -> Pending:
-    """Reduce partial values and keep this rank's ``torch.chunk`` shard of ``tensor_dim``.
-
-    On gloo, ``reduce_scatter`` is itself emulated with an all-reduce, and measured slower
-    than an all-reduce followed by a local slice, so that is what we do there.
-    """
+    """Reduce partial values and keep this rank's ``torch.chunk`` shard of ``tensor_dim``:
+    the blocks are padded into one row per rank and reduced with ``reduce_rows``."""
     group = mesh.get_group(mesh_dim)
     k = mesh.size(mesh_dim)
     idx = mesh.get_local_rank(mesh_dim)
     full = local.size(tensor_dim)
     sizes = chunk_sizes(full, k)
-    start = sum(sizes[:idx])
-    if _backend_is_gloo(group):
-        x, op, finish_fn = _prepare_reduce(local, partial, k)
-        debug.record("reduce_scatter", _dim_label(mesh, mesh_dim), k, x.numel() * x.element_size())
-        work = dist.all_reduce(x, op=op, group=group, async_op=async_op)
-
-        def finish():
-            return finish_fn(x).narrow(tensor_dim, start, sizes[idx]).clone()
-
-        return Pending(work, finish) if async_op else Pending.ready(finish())
     pad = padded_chunk_size(full, k)
     moved = local.movedim(tensor_dim, 0)
     blocks = [_pad_dim0(moved.narrow(0, sum(sizes[:i]), s), pad) for i, s in enumerate(sizes)]
-    x, op, finish_fn = _prepare_reduce(torch.cat(blocks), partial, k)
-    out = x.new_empty((pad, *x.shape[1:]))
-    debug.record("reduce_scatter", _dim_label(mesh, mesh_dim), k, x.numel() * x.element_size())
-    work = _reduce_scatter_flat(out, x, op=op, group=group, async_op=async_op)
+    stacked = torch.cat(blocks)  # (k * pad, rest...)
+    rest = stacked.shape[1:]
+    x, op, divide_by, post = _row_reduction(stacked.reshape(k, -1), partial, k)
+    reduced = reduce_rows(x, idx, group, divide_by=divide_by, op=op, label=mesh_dim, mesh=mesh)
 
-    def finish_nccl():
-        return finish_fn(out)[: sizes[idx]].movedim(0, tensor_dim).contiguous()
+    def finish():
+        out = post(reduced.wait()).view(pad, *rest)
+        return out[: sizes[idx]].movedim(0, tensor_dim).contiguous()
 
-    return Pending(work, finish_nccl) if async_op else Pending.ready(finish_nccl())
+    return Pending(None, finish) if async_op else Pending.ready(finish())
+
+
+def _row_reduction(rows: torch.Tensor, partial: Partial, k: int):
+    """(rows to send, combine op, divisor, post-processing) for ``reduce_rows``."""
+    if isinstance(partial, NormPartial):
+        p = partial.norm_type
+        if p == float("inf"):
+            return rows, "max", 1.0, lambda y: y
+        if p == float("-inf"):
+            return rows, "min", 1.0, lambda y: y
+        if p == 0:
+            return rows, "sum", 1.0, lambda y: y
+        return rows.pow(p), "sum", 1.0, lambda y: y.pow_(1.0 / p)
+    op = partial.reduce_op
+    if op == "avg":
+        return rows, "sum", float(k), lambda y: y
+    return rows, op, 1.0, lambda y: y
 
 
 def all_to_all(

@@ -1,12 +1,16 @@
 """The ``__torch_dispatch__`` pipeline: validate, find the rule, redistribute, run, wrap.
 
-1. Flatten ``(args, kwargs)``; every DTensor becomes its spec. Plain tensors other than
-   one-element scalars are rejected (the caller forgot to distribute them).
-2. Run the op on meta tensors of the global shapes: that gives every output's global shape,
+1. Flatten ``(args, kwargs)``; every DTensor becomes its spec. A one-element plain tensor
+   mixed in (a scalar, a single index) is taken as a replicated DTensor, as PyTorch does;
+   any other plain tensor is rejected (the caller forgot to distribute it).
+2. Find the op's rule. An op without one runs locally when every input is replicated (the
+   answer is then the local answer on every rank); otherwise it is a
+   ``NotImplementedError`` naming the op and the input placements.
+3. Run the op on meta tensors of the global shapes: that gives every output's global shape,
    stride and dtype without communication.
-3. Ask the op's rule for output placements and any input redistribution. Steps 2-3 are
-   cached on the input specs and the non-tensor arguments.
-4. Redistribute inputs, run the op (or the rule's ``local_fn``) on local tensors, wrap.
+4. Ask the rule for output placements and any input redistribution. Steps 3-4 are cached on
+   the input specs and the non-tensor arguments.
+5. Redistribute inputs, run the op (or the rule's ``local_fn``) on local tensors, wrap.
 """
 
 from __future__ import annotations
@@ -15,12 +19,12 @@ import dataclasses
 import logging
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from dtensor import _ops  # noqa: F401  (registers the rules)
 from dtensor._ops._common import OpSchema, OutputSharding, find_rule
 from dtensor._spec import DTensorSpec, TensorMeta
-from dtensor.placement import format_placements
+from dtensor.placement import Replicate, format_placements
 from dtensor.tensor import DTensor, redistribute_dtensor
 
 logger = logging.getLogger(__name__)
@@ -48,9 +52,13 @@ def dispatch(func, args, kwargs):
         return handler(func, args, kwargs)
     leaves, treespec = _flatten(args, kwargs)
     _check_inputs(func, leaves)
+    if not func.__name__.startswith("_foreach_"):
+        leaves = _replicate_scalars(func, leaves)
     key = _cache_key(func, leaves, treespec)
     cached = _CACHE.get(key) if key is not None else None
     if cached is None:
+        if find_rule(func) is None:
+            return _run_without_rule(func, leaves, treespec)
         cached = _propagate(func, leaves, treespec)
         if key is not None:
             if len(_CACHE) > _CACHE_LIMIT:
@@ -84,16 +92,72 @@ def _unflatten(leaves: list, treespec) -> tuple[tuple, dict]:
     return tree_unflatten(leaves, treespec)
 
 
+def _replicate_scalars(func, leaves: list) -> list:
+    """One-element plain tensors mixed with DTensors become replicated DTensors (their value
+    is the same everywhere), so every rule sees specs only. An in-place target must already
+    be a DTensor: writing into a wrapped copy would silently lose the result."""
+    mesh = None
+    out = leaves
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+            if mesh is None:
+                mesh = next((y.device_mesh for y in leaves if isinstance(y, DTensor)), None)
+                if mesh is None:
+                    return leaves
+                out = list(leaves)
+            if i == 0 and _is_inplace(func):
+                raise ValueError(
+                    f"{func}: the in-place target is a plain torch.Tensor of shape "
+                    f"{tuple(x.shape)} and the other operands are DTensors. Make the target "
+                    "a DTensor (distribute_tensor) or use the out-of-place op."
+                )
+            spec = DTensorSpec(
+                mesh,
+                (Replicate(),) * mesh.ndim,
+                TensorMeta(x.shape, tuple(x.stride()), x.dtype),
+            )
+            out[i] = DTensor(x, spec, requires_grad=False)
+    return out
+
+
+def _run_without_rule(func, leaves, treespec):
+    """An op with no rule: computed locally when every input is replicated, else refused."""
+    dtensors = [x for x in leaves if isinstance(x, DTensor)]
+    replicated = all(x._spec.is_replicated() for x in dtensors)
+    if not replicated or torch.Tag.nondeterministic_seeded in func.tags:
+        raise NotImplementedError(_no_rule_message(func, leaves))
+    local_leaves = [x._local() if isinstance(x, DTensor) else x for x in leaves]
+    local_args, local_kwargs = _unflatten(local_leaves, treespec)
+    out = func(*local_args, **local_kwargs)
+    if _is_inplace(func):
+        args, _ = _unflatten(leaves, treespec)
+        return args[0] if func._schema.returns else None
+    mesh = dtensors[0].device_mesh
+    placements = (Replicate(),) * mesh.ndim
+
+    def wrap(t):
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+            meta = TensorMeta(t.shape, tuple(t.stride()), t.dtype)
+            return DTensor(t, DTensorSpec(mesh, placements, meta), requires_grad=False)
+        return t
+
+    return tree_map(wrap, out)
+
+
 def _propagate(func, leaves, treespec):
     # A distinct spec object per leaf, so rules can find a leaf by identity even when the
     # same DTensor is passed twice (x * x).
     spec_leaves = [dataclasses.replace(x._spec) if isinstance(x, DTensor) else x for x in leaves]
-    out_meta = _meta_outputs(func, leaves, treespec)
+    try:
+        out_meta = _meta_outputs(func, leaves, treespec)
+    except (RuntimeError, NotImplementedError) as e:
+        raise NotImplementedError(
+            f"{_no_rule_message(func, leaves, has_rule=True)} (its output shapes could not "
+            f"be derived from the global input shapes: {e})"
+        ) from e
     rule = find_rule(func)
     args, kwargs = _unflatten(spec_leaves, treespec)
     schema = OpSchema(func, args, kwargs, spec_leaves, out_meta)
-    if rule is None:
-        raise NotImplementedError(_no_rule_message(func, leaves))
     sharding = rule(schema)
     return sharding, out_meta
 
@@ -221,15 +285,17 @@ def _cache_key(func, leaves, treespec):
     return key
 
 
-def _no_rule_message(func, leaves) -> str:
+def _no_rule_message(func, leaves, *, has_rule: bool = False) -> str:
     specs = [
         f"{tuple(x.shape)} {format_placements(x.placements)}"
         for x in leaves
         if isinstance(x, DTensor)
     ]
+    what = "cannot shard" if has_rule else "has no sharding rule for"
     return (
-        f"DTensor has no sharding rule for {func} (inputs: {', '.join(specs)}). "
-        "Call full_tensor() and run the op on plain tensors, or add a rule in dtensor/_ops."
+        f"DTensor {what} {func} (inputs: {', '.join(specs)}). Call full_tensor() and run "
+        "the op on plain tensors, redistribute the inputs to Replicate(), or add a rule in "
+        "dtensor/_ops."
     )
 
 

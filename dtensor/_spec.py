@@ -64,6 +64,12 @@ class DTensorSpec:
             object.__setattr__(self, "_hash", h)
         return h
 
+    def __getstate__(self) -> dict:
+        # The cached hash is per process (str hashes are salted): never carry it along.
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
+
 
 def contiguous_stride(shape) -> tuple[int, ...]:
     stride, acc = [], 1

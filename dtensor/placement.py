@@ -14,9 +14,37 @@ _REDUCE_OPS = ("sum", "avg", "max", "min")
 
 
 class Placement:
-    """Base class of ``Shard``, ``Replicate`` and ``Partial``; instances are immutable."""
+    """Base class of ``Shard``, ``Replicate`` and ``Partial``; instances are immutable.
+
+    Immutable values copy as themselves and pickle as their constructor call, so
+    ``copy``, ``deepcopy``, ``pickle`` and ``torch.compile`` (which copies them while
+    tracing) all work.
+
+    Example:
+        >>> import copy, pickle
+        >>> copy.deepcopy(Shard(1)) == pickle.loads(pickle.dumps(Shard(1))) == Shard(1)
+        True
+    """
 
     __slots__ = ()
+
+    def _ctor_args(self) -> tuple:
+        return ()
+
+    def __reduce__(self):
+        return (type(self), self._ctor_args())
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __delattr__(self, name):
+        raise AttributeError(f"{type(self).__name__} is immutable")
 
     def is_shard(self, dim: int | None = None) -> bool:
         return False
@@ -43,8 +71,8 @@ class Shard(Placement):
             raise TypeError(f"Shard: dim must be an int, got {dim!r}.")
         object.__setattr__(self, "dim", dim)
 
-    def __setattr__(self, name, value):
-        raise AttributeError("Shard is immutable")
+    def _ctor_args(self) -> tuple:
+        return (self.dim,)
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
@@ -120,8 +148,8 @@ class Partial(Placement):
     def _valid_ops(cls) -> tuple[str, ...]:
         return _REDUCE_OPS
 
-    def __setattr__(self, name, value):
-        raise AttributeError("Partial is immutable")
+    def _ctor_args(self) -> tuple:
+        return (self.reduce_op,)
 
     def is_partial(self) -> bool:
         return True
@@ -218,9 +246,9 @@ def normalize_placements(placements, mesh_ndim: int, tensor_ndim: int, *, api: s
     """
     if placements is None:
         return (Replicate(),) * mesh_ndim
-    if isinstance(placements, Placement):
+    if isinstance(placements, Placement) or is_torch_placement(placements):
         placements = (placements,)
-    placements = tuple(placements)
+    placements = tuple(from_torch_placement(p) for p in placements)
     for p in placements:
         if isinstance(p, type) and issubclass(p, Placement):
             raise TypeError(
@@ -229,7 +257,9 @@ def normalize_placements(placements, mesh_ndim: int, tensor_ndim: int, *, api: s
             )
         if not isinstance(p, Placement):
             raise TypeError(
-                f"{api}: placements must hold Shard/Replicate/Partial instances, got {p!r}."
+                f"{api}: placements must hold dtensor Shard/Replicate/Partial instances, got "
+                f"{p!r} ({type(p).__module__}.{type(p).__qualname__}). Use "
+                "`from dtensor import Shard, Replicate, Partial`."
             )
     if len(placements) != mesh_ndim:
         raise ValueError(
@@ -239,6 +269,34 @@ def normalize_placements(placements, mesh_ndim: int, tensor_ndim: int, *, api: s
     return tuple(
         p.normalized(tensor_ndim, api=api) if isinstance(p, Shard) else p for p in placements
     )
+
+
+def is_torch_placement(obj) -> bool:
+    """Whether ``obj`` is one of PyTorch's own placement objects (``torch.distributed.tensor``)."""
+    mod = type(obj).__module__
+    return mod.startswith("torch.distributed.tensor") and type(obj).__name__ in (
+        "Shard",
+        "Replicate",
+        "Partial",
+    )
+
+
+def from_torch_placement(p):
+    """PyTorch's ``Shard``/``Replicate``/``Partial`` as ours (same meaning); others unchanged.
+
+    Example:
+        >>> from torch.distributed.tensor import Shard as TorchShard
+        >>> from_torch_placement(TorchShard(1))
+        Shard(dim=1)
+    """
+    if not is_torch_placement(p):
+        return p
+    name = type(p).__name__
+    if name == "Shard":
+        return Shard(p.dim)
+    if name == "Replicate":
+        return Replicate()
+    return Partial(p.reduce_op)
 
 
 def format_placements(placements) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from device_mesh import DeviceMesh
+from device_mesh import DeviceMesh, as_device_mesh
 from dtensor import _collectives as C
 from dtensor._redistribute import redistribute_local
 from dtensor._spec import DTensorSpec, TensorMeta, contiguous_stride
@@ -107,7 +107,14 @@ class DTensor(torch.Tensor):
     # ---------------------------------------------------------------------------- public API
     @staticmethod
     def from_local(
-        local_tensor, device_mesh=None, placements=None, *, run_check=False, shape=None, stride=None
+        local_tensor,
+        device_mesh=None,
+        placements=None,
+        *,
+        run_check=False,
+        shape=None,
+        stride=None,
+        grad_placements=None,
     ) -> DTensor:
         """Wrap each rank's ``local_tensor`` as one DTensor (differentiable).
 
@@ -115,6 +122,8 @@ class DTensor(torch.Tensor):
         pass ``shape`` (and ``stride``) for uneven shards. ``run_check=True`` verifies every
         rank's local shape against the global shape and makes replicas equal by
         broadcasting from the first rank of each replicated mesh dim (collectives).
+        ``grad_placements`` is the layout the gradient flowing back into ``local_tensor``
+        is redistributed to (default: ``placements``, with partials as replicas).
 
         Raises:
             ValueError: no mesh, wrong placements, or (with ``run_check``) local shapes that
@@ -126,6 +135,7 @@ class DTensor(torch.Tensor):
         api = "DTensor.from_local"
         if device_mesh is None:
             raise ValueError(f"{api}: device_mesh is required, got None. Pass the mesh.")
+        device_mesh = as_device_mesh(device_mesh, api=api, argument="device_mesh")
         if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensor):
             raise TypeError(
                 f"{api}: local_tensor must be a plain torch.Tensor, got "
@@ -141,9 +151,13 @@ class DTensor(torch.Tensor):
         shape = torch.Size(shape)
         stride = tuple(stride) if stride is not None else contiguous_stride(shape)
         spec = DTensorSpec(device_mesh, placements, TensorMeta(shape, stride, local_tensor.dtype))
+        if grad_placements is not None:
+            grad_placements = normalize_placements(
+                grad_placements, device_mesh.ndim, local_tensor.ndim, api=api
+            )
         if run_check:
             local_tensor = _check_local(local_tensor, spec, api)
-        return _FromLocal.apply(local_tensor, spec)
+        return _FromLocal.apply(local_tensor, spec, grad_placements)
 
     def to_local(self, *, grad_placements=None) -> torch.Tensor:
         """This rank's piece, as a plain tensor (differentiable).
@@ -155,11 +169,22 @@ class DTensor(torch.Tensor):
             return self._local()
         return _ToLocal.apply(self, grad_placements)
 
-    def redistribute(self, device_mesh=None, placements=None, *, async_op=False) -> DTensor:
+    def redistribute(
+        self,
+        device_mesh=None,
+        placements=None,
+        *,
+        async_op=False,
+        forward_dtype=None,
+        backward_dtype=None,
+    ) -> DTensor:
         """The same global tensor with new ``placements`` (differentiable).
 
         With ``async_op=True`` the last collective may still be running when this returns;
-        the first use of the result waits for it.
+        the first use of the result waits for it. ``forward_dtype`` casts the local tensor
+        before the collectives (the result has that dtype); ``backward_dtype`` casts the
+        gradient before the backward collectives, and the gradient is cast back to this
+        tensor's dtype after them.
 
         Raises:
             ValueError: another mesh, or a move to ``Partial`` from anything but that
@@ -169,7 +194,9 @@ class DTensor(torch.Tensor):
             >>> dt.redistribute(placements=[Replicate()])    # all-gather of the shards
         """
         api = "DTensor.redistribute"
-        mesh = device_mesh or self.device_mesh
+        mesh = self.device_mesh
+        if device_mesh is not None:
+            mesh = as_device_mesh(device_mesh, api=api, argument="device_mesh")
         if mesh != self.device_mesh:
             raise ValueError(
                 f"{api}: device_mesh must be the tensor's mesh "
@@ -186,7 +213,10 @@ class DTensor(torch.Tensor):
                     "becomes Partial as the result of an op. Redistribute to Replicate() or "
                     "Shard(dim) instead."
                 )
-        return _Redistribute.apply(self, dst, async_op)
+        for name, dtype in (("forward_dtype", forward_dtype), ("backward_dtype", backward_dtype)):
+            if dtype is not None and not isinstance(dtype, torch.dtype):
+                raise TypeError(f"{api}: {name} must be a torch.dtype or None, got {dtype!r}.")
+        return _Redistribute.apply(self, dst, async_op, forward_dtype, backward_dtype)
 
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
         """The whole global tensor on every rank, as a plain tensor (differentiable).
@@ -224,16 +254,17 @@ def redistribute_dtensor(dt: DTensor, placements, *, async_op=False) -> DTensor:
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local, spec):
+    def forward(ctx, local, spec, grad_placements):
         ctx.spec = spec
+        ctx.grad_placements = grad_placements
         return DTensor(local.view_as(local), spec, requires_grad=False)
 
     @staticmethod
     def backward(ctx, grad):
-        target = _grad_target(ctx.spec.placements)
+        target = ctx.grad_placements or _grad_target(ctx.spec.placements)
         if grad.placements != target:
             grad = redistribute_dtensor(grad, target)
-        return grad._local(), None
+        return grad._local(), None, None
 
 
 class _ToLocal(torch.autograd.Function):
@@ -259,13 +290,29 @@ class _ToLocal(torch.autograd.Function):
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dt, placements, async_op):
+    def forward(ctx, dt, placements, async_op, forward_dtype, backward_dtype):
         ctx.src = dt.placements
+        ctx.src_dtype = dt.dtype
+        ctx.backward_dtype = backward_dtype
+        if forward_dtype is not None and forward_dtype != dt.dtype:
+            dt = cast_dtensor(dt, forward_dtype)
         return redistribute_dtensor(dt, placements, async_op=async_op)
 
     @staticmethod
     def backward(ctx, grad):
-        return redistribute_dtensor(grad, _grad_target(ctx.src)), None, None
+        if ctx.backward_dtype is not None and ctx.backward_dtype != grad.dtype:
+            grad = cast_dtensor(grad, ctx.backward_dtype)
+        grad = redistribute_dtensor(grad, _grad_target(ctx.src))
+        if grad.dtype != ctx.src_dtype:
+            grad = cast_dtensor(grad, ctx.src_dtype)
+        return grad, None, None, None, None
+
+
+def cast_dtensor(dt: DTensor, dtype: torch.dtype) -> DTensor:
+    """``dt`` with its local tensor cast to ``dtype`` (no communication, no autograd)."""
+    meta = TensorMeta(dt.shape, dt._spec.meta.stride, dtype)
+    spec = DTensorSpec(dt.device_mesh, dt.placements, meta)
+    return DTensor(dt._local().to(dtype), spec, requires_grad=False)
 
 
 def _check_local(local: torch.Tensor, spec: DTensorSpec, api: str) -> torch.Tensor:

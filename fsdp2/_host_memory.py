@@ -5,8 +5,7 @@ size of the block's parameters: the unsharded parameters and the blocks a gradie
 receives (and, on the staged route, the all-gather input and output and the gradient rows). Once glibc's dynamic mmap threshold has risen (it follows the largest
 freed block, up to 32 MiB), malloc serves all of them from its main heap, and smaller
 allocations (activations, autograd's gradients) then carve up the holes they leave.
-Measured on the 100M-parameter GPT at 4 ranks: ~850 MB of live allocations at the peak, a
-heap of ~1 GB with 300-600 MB of it free, peak RSS 1.45 GB.
+The heap then holds hundreds of MB it cannot return (docs/fsdp2.md, "Host memory on CPU").
 
 So on CPU these buffers live outside the heap, each in an anonymous private mapping:
 
@@ -16,16 +15,15 @@ So on CPU these buffers live outside the heap, each in an anonymous private mapp
   "freeing" it drops the pages with ``MADV_DONTNEED``: the addresses stay valid, the memory
   goes back to the kernel, and the next all-gather writes into fresh zero pages;
 * the mappings ask for transparent huge pages, so refilling costs one fault per 2 MiB
-  instead of one per 4 KiB. Measured here, writing 47 MB into fresh memory: 27 ms with
-  4 KiB pages, 5.4 ms with huge pages, 3.3 ms into memory that is already mapped.
+  instead of one per 4 KiB.
 
-Faults still cost: at 2 ranks, keeping every unsharded parameter's pages (no freeing at all)
-made a step ~6% faster. Yet the next block's parameters have the same sizes as the ones just
-freed, so ``PAGES`` (a ``PageBank``) holds freed parameters' pages back for a moment and
-moves them, with ``mremap``, under the next parameter of the same size just before its
-all-gather writes into it: no copy, no fault, no zeroing. The most recently freed go first, the
-bank holds at most one group's worth (the largest), and it is emptied at the end of
-backward, so resident memory stays what it was.
+Faults still cost (see docs/fsdp2.md for the measurements). Yet the next block's parameters
+have the same sizes as the ones just freed, so a ``PageBank`` (one per training root, held by
+its ``CommContext``) holds freed parameters' pages back for a moment and moves them, with
+``mremap``, under the next parameter of the same size just before its all-gather writes into
+it: no copy, no fault, no zeroing. The most recently freed go first, the bank holds at most
+one group's worth (the largest), and it is emptied at the end of backward, so resident
+memory stays what it was. ``_storage.MappedStorage`` is the only user of both classes.
 
 Where the kernel offers no transparent huge pages (``never``), faults would cost more than
 the heap wastes, so every buffer stays on torch's allocator. Buffers below ``MIN_BYTES`` also
@@ -211,9 +209,6 @@ class PageBank:
     def clear(self) -> None:
         while self._held:
             self._held.popitem()[1].drop()
-
-
-PAGES = PageBank()
 
 
 def allocate(

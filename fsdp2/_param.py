@@ -5,17 +5,21 @@ local tensor is this rank's ``torch.chunk`` block along ``shard_dim`` (the last 
 hold fewer rows, or none). The optimizer sees only this.
 
 For compute the module holds ``unsharded_param``: a plain ``nn.Parameter`` of the full
-shape, a view into ``_unsharded_buf``, a buffer laid out rank-major and padded - block ``r``
-holds rank ``r``'s chunk padded to ``pad`` rows, so the grouped all-gather output copies in
-with one strided copy per parameter. [Note: free by resize] ``free_unsharded`` shrinks the
-buffer's *storage* to zero bytes instead of dropping the tensor: autograd may hold the
-unsharded parameter as a saved tensor, and the next all-gather refills the same storage
-before backward reads it. On CPU a large buffer instead lives in a mapping of its own and
-freeing drops its pages (see [Note: host memory] in ``_host_memory.py``).
+shape, a view into a buffer laid out rank-major and padded - block ``r`` holds rank ``r``'s
+chunk padded to ``pad`` rows, so a grouped all-gather output copies in with one strided copy
+per parameter. The buffer's memory comes and goes through an ``UnshardedStorage``
+(``_storage.py``): freeing never drops the tensor, because autograd may hold the unsharded
+parameter as a saved tensor that the next all-gather refills.
 
 Everything derived from the sharded parameter (dtype, device, local tensor) is read fresh
 each time, because ``module.to_empty()`` / ``.to()`` / ``.float()`` swap the contents of the
 ``nn.Parameter`` object in place.
+
+[Note: replaced parameters] ``fully_shard`` replaces each parameter with a new
+``nn.Parameter``. The one it replaced (the *original*) is marked with ``_fsdp_replaced_by``
+(this ``FSDPParam``), and the new sharded one with ``_fsdp_managed``, so that later calls
+recognise tied uses, a second call on an already sharded module, and an optimizer built on
+the originals (``_replaced.py``) without any registry.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from torch import nn
 from dtensor import DTensor
 from dtensor._spec import DTensorSpec, TensorMeta, contiguous_stride
 from dtensor.placement import Replicate, Shard, chunk_offsets, chunk_sizes, padded_chunk_size
-from fsdp2 import _host_memory
+from fsdp2._storage import UnshardedStorage
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,16 @@ class MeshInfo:
         return (Replicate(), Shard(shard_dim))
 
 
+def replaced_by(param: nn.Parameter) -> FSDPParam | None:
+    """The ``FSDPParam`` that replaced ``param`` ([Note: replaced parameters]), if any."""
+    return getattr(param, "_fsdp_replaced_by", None)
+
+
+def is_managed(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a sharded parameter some ``fully_shard`` call created."""
+    return bool(getattr(param, "_fsdp_managed", False))
+
+
 class FSDPParam:
     """One parameter managed by a ``fully_shard`` group.
 
@@ -89,15 +103,24 @@ class FSDPParam:
         self.shard_dim = shard_dim
         self.requires_grad = param.requires_grad
         self.shape = param.shape
-        self._original = weakref.ref(param)  # to recognise other (tied) uses of it
+        self._original = weakref.ref(param)
         self.pin_memory = pin_memory  # CPU offload: keep the shard in page-locked memory
         self.sharded_param = self._shard(param, device)
         self.unsharded_param: nn.Parameter | None = None
-        self._unsharded_buf: torch.Tensor | None = None
-        self._region: _host_memory.HostRegion | None = None  # CPU: see [Note: host memory]
+        self.storage: UnshardedStorage | None = None
         self._unsharded_key = None
+        # no-sync accumulation in the reduce dtype, when it differs from the compute dtype
+        self.accumulated_grad: torch.Tensor | None = None
         self.fqn = locations[0][1]
         self.group = None  # the FSDPParamGroup that gathers it (set by the group)
+
+    def claim(self, call: str) -> None:
+        """Mark the original as replaced and the shard as managed by the fully_shard call
+        on ``call`` ([Note: replaced parameters]); done only once the call installs."""
+        original = self.original
+        if original is not None:
+            original._fsdp_replaced_by = self
+        self.sharded_param._fsdp_managed = call
 
     @property
     def original(self) -> nn.Parameter | None:
@@ -132,6 +155,10 @@ class FSDPParam:
         """Shape with the shard dim moved first and given ``rows``."""
         rest = [s for i, s in enumerate(self.shape) if i != self.shard_dim]
         return (rows, *rest)
+
+    def rank_numels(self) -> list[int]:
+        """Elements in each rank's shard (the last ranks may hold fewer, or none)."""
+        return [n * self.row_numel for n in chunk_sizes(self.rows, self.mesh_info.shard_size)]
 
     # ------------------------------------------------------------------------- sharded side
     def _shard(self, param: nn.Parameter, device: torch.device) -> nn.Parameter:
@@ -173,10 +200,6 @@ class FSDPParam:
             src = self.local.movedim(self.shard_dim, 0) if self.shard_dim else self.local
             dst_row[:n].view(self.moved_shape(self.local_rows)).copy_(src, non_blocking=True)
 
-    def rank_numels(self) -> list[int]:
-        """Elements in each rank's shard (the last ranks may hold fewer, or none)."""
-        return [n * self.row_numel for n in chunk_sizes(self.rows, self.mesh_info.shard_size)]
-
     def _as_run(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``t`` (shaped like this parameter, or like its shard) as one contiguous 1-D run
         with the shard dim first, in ``dtype``: ``t`` itself when it already is one."""
@@ -195,53 +218,48 @@ class FSDPParam:
         return self._as_run(grad, dtype)
 
     # ------------------------------------------------------------------------- unsharded side
-    def ensure_unsharded(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Create (once per dtype/device) the unsharded parameter and give it storage."""
+    def ensure_unsharded(self, dtype: torch.dtype, device: torch.device, comm) -> None:
+        """Create (once per dtype/device) the unsharded parameter over storage from ``comm``
+        (the root's ``CommContext``). Its memory is given by ``back()`` right before an
+        all-gather writes into it."""
         key = (dtype, device)
-        if self._unsharded_key != key:
-            shape = self.moved_shape(self.mesh_info.shard_size * self.pad)
-            buf, self._region = _host_memory.allocate(shape, dtype, device)
-            full = buf[: self.rows]
-            if self.shard_dim:
-                full = full.movedim(0, self.shard_dim)
-            self._unsharded_buf = buf
-            self.unsharded_param = nn.Parameter(full, requires_grad=self.requires_grad)
-            self._unsharded_key = key
+        if self._unsharded_key == key:
             return
-        if self._region is not None:
-            return  # backed by pages just before the all-gather writes into it (back_pages)
-        storage = self._unsharded_buf.untyped_storage()
-        nbytes = self._unsharded_buf.numel() * self._unsharded_buf.element_size()
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
+        shape = self.moved_shape(self.mesh_info.shard_size * self.pad)
+        self.storage = comm.storage(shape, dtype, device)
+        full = self.storage.tensor[: self.rows]
+        if self.shard_dim:
+            full = full.movedim(0, self.shard_dim)
+        self.unsharded_param = nn.Parameter(full, requires_grad=self.requires_grad)
+        self._unsharded_key = key
 
     def unsharded_rank_blocks(self) -> torch.Tensor:
         """The unsharded buffer as ``(shard_size, padded_numel)``: block r = rank r's chunk."""
-        return self._unsharded_buf.view(self.mesh_info.shard_size, self.padded_numel)
+        return self.storage.tensor.view(self.mesh_info.shard_size, self.padded_numel)
+
+    def back_storage(self) -> None:
+        """Give the unsharded buffer memory right before an all-gather writes into it."""
+        self.storage.back()
 
     def free_unsharded(self) -> None:
-        if self._region is not None:
-            _host_memory.PAGES.release(self._region)
-        elif self._unsharded_buf is not None:
-            self._unsharded_buf.untyped_storage().resize_(0)
-
-    def back_pages(self) -> None:
-        """Give the unsharded parameter's mapping pages (a freed parameter's, where the page
-        bank holds some) right before the all-gather writes into it: when its messages are
-        posted on gloo, before the copy-out elsewhere."""
-        if self._region is not None:
-            _host_memory.PAGES.acquire(self._region)
-
-    def region_bytes(self) -> int:
-        """Bytes of the unsharded parameter's own mapping (0 when it has none)."""
-        return self._region.nbytes if self._region is not None else 0
+        if self.storage is not None:
+            self.storage.free()
 
     @property
     def is_unsharded_allocated(self) -> bool:
-        if self._region is not None:
-            return self._region.resident
-        buf = self._unsharded_buf
-        return buf is not None and buf.untyped_storage().size() > 0
+        return self.storage is not None and self.storage.is_allocated
+
+    def alias_shard(self) -> None:
+        """World of one, no cast: the unsharded parameter shares the shard's storage."""
+        local = self.local
+        current = self.unsharded_param
+        if current is not None and current.data_ptr() == local.data_ptr():
+            if current.shape == local.shape:
+                return
+        grad = current.grad if current is not None else None
+        self.unsharded_param = nn.Parameter(local, requires_grad=self.requires_grad)
+        if grad is not None:
+            self.unsharded_param.grad = grad
 
     # ------------------------------------------------------------------------- registration
     def register(self, tensor: torch.Tensor) -> None:
@@ -256,13 +274,37 @@ class FSDPParam:
         self.register(self.unsharded_param)
 
     # ------------------------------------------------------------------------- gradients
-    def take_unsharded_grad(self) -> torch.Tensor | None:
-        """Detach and return the gradient accumulated on the unsharded parameter."""
-        if self.unsharded_param is None:
-            return None
-        grad = self.unsharded_param.grad
+    def accumulate_unsharded_grad(self, dtype: torch.dtype) -> None:
+        """No-sync backward: move the new unsharded gradient into ``accumulated_grad`` in
+        ``dtype`` (the reduce dtype), so micro-batches add in that precision."""
+        grad = self.unsharded_param.grad if self.unsharded_param is not None else None
+        if grad is None:
+            return
         self.unsharded_param.grad = None
-        return grad
+        if self.accumulated_grad is None:
+            self.accumulated_grad = grad.to(dtype)
+        else:
+            self.accumulated_grad += grad
+
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """Detach and return the gradient to reduce: the unsharded parameter's, plus what
+        no-sync backwards accumulated."""
+        grad = None
+        if self.unsharded_param is not None:
+            grad = self.unsharded_param.grad
+            self.unsharded_param.grad = None
+        acc, self.accumulated_grad = self.accumulated_grad, None
+        if acc is None:
+            return grad
+        if grad is not None:
+            acc += grad
+        return acc
+
+    def drop_unsharded_grads(self) -> None:
+        """Forget unreduced gradients (recovery after an exception)."""
+        if self.unsharded_param is not None:
+            self.unsharded_param.grad = None
+        self.accumulated_grad = None
 
     def shard_grad_from_row(self, row: torch.Tensor) -> torch.Tensor:
         """This rank's gradient shard from its ``padded_numel`` slot of a reduced row."""

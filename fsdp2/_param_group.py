@@ -1,17 +1,24 @@
 """FSDPParamGroup: the parameters of one ``fully_shard`` call, gathered and reduced together.
 
-A group moves between two states. *Sharded*: modules hold the sharded DTensor parameters.
-*Unsharded*: one all-gather has refilled every unsharded parameter and the modules hold
-those. ``unshard()`` issues the all-gather without waiting (that is what prefetching is);
-``wait_for_unshard()`` finishes it (on NCCL: copies each parameter out of the gathered rows;
-on gloo the messages landed in the parameters themselves) and swaps the registrations.
-``reshard()`` frees the unsharded storage and swaps back.
+Memory state (``ShardedState``):
+
+* ``SHARDED`` - only the shards exist; the unsharded buffers hold no memory;
+* ``UNSHARDED`` - one all-gather has filled every unsharded parameter;
+* ``SHARDED_POST_FORWARD`` - ``reshard_after_forward=k``: after forward this rank keeps the
+  rows of ``k`` ranks' shards, so backward re-gathers within a group of ``k``.
+
+An all-gather in flight (``unshard()`` issued, ``wait_for_unshard()`` not yet called) is
+``gather_in_flight``. Which tensors the modules *register* is separate from the memory state:
+the unsharded parameters are registered only while the group's modules run forward or
+backward (``register_unsharded`` / ``register_sharded``, called by the hooks), so
+``state_dict()`` and ``named_parameters()`` between steps always see the sharded DTensors,
+even when the unsharded memory is kept (``reshard_after_forward=False``, ``unshard()``).
 
 ``post_backward()`` takes the unsharded gradients and issues one reduction of their
 rank-major blocks in the reduce dtype, plus one "had a gradient" flag per parameter, so a
 parameter that no rank used keeps ``grad=None``, exactly as on one process.
-``finish_reduce()`` waits, averages and installs each rank's slice as the sharded ``.grad``.
-See [Note: collectives on gloo] in ``_collectives.py`` for the two routes.
+``finish_reduce()`` waits, completes HSDP's all-reduce, divides and installs each rank's
+slice as the sharded ``.grad``. ``_collectives.py`` chooses the routes.
 
 With a single data-parallel rank and no dtype cast nothing needs to move, so the unsharded
 parameter is an alias of the shard and no collective is issued.
@@ -19,18 +26,27 @@ parameter is an alias of the shard and no collective is issued.
 
 from __future__ import annotations
 
-import contextlib
+import enum
 import logging
 
 import torch
+import torch.distributed as dist
 
 from fsdp2 import _collectives as C
-from fsdp2 import _host_memory
 from fsdp2._param import FSDPParam, MeshInfo
-from fsdp2._streams import streams_for
 from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 logger = logging.getLogger(__name__)
+
+
+class ShardedState(enum.Enum):
+    SHARDED = "sharded"
+    SHARDED_POST_FORWARD = "sharded_post_forward"
+    UNSHARDED = "unsharded"
+
+
+class FSDPStateError(AssertionError):
+    """An internal invariant of the runtime does not hold (a bug, not a usage error)."""
 
 
 class PostForwardMesh:
@@ -53,13 +69,16 @@ class PostForwardMesh:
 class PendingReduce:
     """A gradient reduction in flight for one group."""
 
-    def __init__(self, group: FSDPParamGroup, collective, params: list[FSDPParam], grads) -> None:
+    def __init__(self, group: FSDPParamGroup, reduction, params, local_flags, divided: bool):
         self.group = group
-        self.collective = collective
+        self.reduction = reduction
         self.params = params
-        # The unsharded gradients the reduce stream reads: held until the compute stream has
-        # waited for the reduction (see [Note: stream-safe frees] in _streams.py).
-        self.grads = grads
+        self.local_flags = local_flags  # which parameters had a gradient on this rank
+        self.divided = divided  # whether the collective already divided the sum
+
+    def wait_only(self) -> None:
+        """Finish the collective and drop its result (recovery after an exception)."""
+        self.reduction.wait()
 
 
 class FSDPParamGroup:
@@ -77,18 +96,15 @@ class FSDPParamGroup:
         self.params = params
         for p in params:
             p.group = self
-        self.initialized = False  # set at the root's lazy init
+        self.modules: tuple = ()  # the modules of the fully_shard call (set by it)
         self.mesh_info = mesh_info
         self.device = device
         self.mp_policy = mp_policy
         self.offload = isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu"
         self.pin_memory = self.offload and offload_policy.pin_memory
         self.post_forward = post_forward
-        self.streams = streams_for(device)
-        self._gather_input = None  # int reshard: the kept rows, read by the gather stream
-        # Collective buffers are kept for reuse only when another group has the same shapes
-        # (set at lazy init): a lone group's buffers would sit idle for a whole step.
-        self.pool = C.POOL
+        self.comm = None  # the root's CommContext, set at lazy init
+        self.pool = None  # comm.pool, or comm.no_pool for a group whose shapes are unique
         # controls (FSDPModule.set_*)
         self.reshard_after_forward: bool | None = None  # None until lazy init resolves it
         self.reshard_after_backward = True
@@ -96,10 +112,18 @@ class FSDPParamGroup:
         self.requires_all_reduce = True
         self.gradient_divide_factor: float | None = None
         self.unshard_in_backward = True
+        self.all_reduce_hook = None
+        self.force_sum_reduction_for_comms = False  # reductions are always sums here
         # runtime
-        self.is_unsharded = False
-        self._gather: C.Pending | None = None
-        self._post_forward_rows: torch.Tensor | None = None
+        self.state = ShardedState.SHARDED
+        self._gather: C.AllGather | None = None
+        self._kept_rows: torch.Tensor | None = None  # SHARDED_POST_FORWARD only
+        self.registered_unsharded = False
+        self._partial_reduce: torch.Tensor | None = None  # HSDP, requires_all_reduce=False
+
+    @property
+    def initialized(self) -> bool:
+        return self.comm is not None
 
     # --------------------------------------------------------------------------- dtypes
     @property
@@ -153,244 +177,175 @@ class FSDPParamGroup:
         for p in self.params:
             p.pin_local()
 
+    def _check(self, ok: bool, what: str) -> None:
+        if not ok:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            names = ", ".join(p.fqn for p in self.params[:3])
+            raise FSDPStateError(f"[rank {rank}] fsdp2 group ({names}): {what}")
+
     # --------------------------------------------------------------------------- unshard
+    @property
+    def gather_in_flight(self) -> bool:
+        return self._gather is not None
+
     def unshard(self) -> None:
         """Start the all-gather (returns at once); ``wait_for_unshard`` completes it."""
-        if self.is_unsharded or self._gather is not None or not self.params:
+        if self.state is ShardedState.UNSHARDED or self._gather is not None:
             return
-        if self.trivial:
+        if not self.params or self.trivial:  # nothing to gather (a tie moved all away)
             for p in self.params:
-                _alias_unsharded(p)
-                p.to_unsharded()
-            self.is_unsharded = True
+                p.alias_shard()
+            self.state = ShardedState.UNSHARDED
             return
+        dtype = self.param_dtype
         for p in self.params:
-            p.ensure_unsharded(self.param_dtype, self.device)
-        _hold_pages_for(self.params)
-        with self.streams.gather():
-            self._issue_gather()
-
-    def _issue_gather(self) -> None:
-        info = self.mesh_info
-        if self._post_forward_rows is not None:
-            pf, kept = self.post_forward, self._post_forward_rows.view(-1)
-            rows = self._input_rows(pf.group, pf.size, kept.numel())
-            rows[0].copy_(kept)
-            _replicate_first_row(rows)
-            self._gather_input, self._post_forward_rows = self._post_forward_rows, None
-            self._gather = C.all_gather_rows(
-                rows, pf.group, pf.size, label=info.shard_mesh_dim, mesh=info.mesh, pool=self.pool
-            )
-            return
-        if self._direct_route():
-            self._issue_block_exchange()
-            return
-        rows = self._input_rows(info.shard_group, info.shard_size, self._row_numel())
-        offset = 0
-        for p in self.params:
-            p.copy_shard_into(rows[0, offset : offset + p.padded_numel])
-            offset += p.padded_numel
-        _replicate_first_row(rows)
-        self._gather = C.all_gather_rows(
-            rows,
-            info.shard_group,
-            info.shard_size,
-            label=info.shard_mesh_dim,
-            mesh=info.mesh,
+            p.ensure_unsharded(dtype, self.device, self.comm)
+        kept, self._kept_rows = self._kept_rows, None
+        self._check(
+            (kept is not None) == (self.state is ShardedState.SHARDED_POST_FORWARD),
+            f"kept rows do not match state {self.state}",
+        )
+        self.comm.hold_pages_for(sum(p.storage.nbytes for p in self.params))
+        self._gather = C.foreach_all_gather(
+            self.params,
+            dtype=dtype,
+            device=self.device,
+            comm=self.comm,
             pool=self.pool,
+            kept_rows=kept,
+            post_forward=self.post_forward,
         )
-
-    def _direct_route(self) -> bool:
-        """Whether this group's collectives are point-to-point messages (see
-        [Note: collectives on gloo])."""
-        info = self.mesh_info
-        nbytes = self._row_numel() * info.shard_size * self.param_dtype.itemsize
-        return C.exchanges_blocks(info.shard_group, self.device, nbytes, len(self.params))
-
-    def _issue_block_exchange(self) -> None:
-        """Gloo on CPU: each shard goes straight into every rank's unsharded parameters
-        (``C.gather_blocks``). This rank's own block is copied now; the pages the others
-        land in must be in place before any message arrives."""
-        info = self.mesh_info
-        me = info.shard_rank
-        pieces = []
-        with _versions_preserved(self.params):  # gloo's own writes bypass the counter anyway
-            for p in self.params:
-                p.back_pages()
-                send, blocks, counts = (
-                    p.shard_run(self.param_dtype),
-                    p.unsharded_rank_blocks(),
-                    p.rank_numels(),
-                )
-                if counts[me]:
-                    blocks[me, : counts[me]].copy_(send)
-                pieces.append((send, blocks, counts))
-        self._gather = C.gather_blocks(
-            pieces,
-            info.shard_group,
-            me,
-            row_bytes=self._row_numel() * self.param_dtype.itemsize,
-            label=info.shard_mesh_dim,
-            mesh=info.mesh,
-        )
-
-    def _input_rows(self, group, k: int, n: int) -> torch.Tensor:
-        """All-gather input: ``k`` copies of our row on gloo (all-to-all), one elsewhere."""
-        copies = k if C.wants_replicated_input(group) else 1
-        return self.pool.get((copies, n), self.param_dtype, self.device)
 
     def wait_for_unshard(self) -> None:
-        """Finish a started all-gather and swap the unsharded parameters in."""
+        """Finish a started all-gather; the unsharded parameters then hold the full values."""
         if self._gather is None:
             return
-        out = self._gather.wait()  # None when the messages landed in the parameters
-        self._gather = self._gather_input = None
-        if out is not None:
-            self._copy_out(out.view(self.mesh_info.shard_size, -1))
+        gather, self._gather = self._gather, None
+        gather.wait()
+        self.state = ShardedState.UNSHARDED
+
+    # --------------------------------------------------------------------------- registration
+    def register_unsharded(self) -> None:
+        """Let the modules see the unsharded parameters (their forward or backward runs)."""
+        self._check(self.state is ShardedState.UNSHARDED, f"registering unsharded in {self.state}")
         for p in self.params:
             p.to_unsharded()
-        self.is_unsharded = True
+        self.registered_unsharded = True
 
-    def _copy_out(self, rows: torch.Tensor) -> None:
-        """Copy each parameter's blocks out of the gathered rank-major rows."""
-        for p in self.params:
-            p.back_pages()
-        with _versions_preserved(self.params):
-            torch.split_with_sizes_copy(
-                rows,
-                [p.padded_numel for p in self.params],
-                dim=1,
-                out=[p.unsharded_rank_blocks() for p in self.params],
-            )
-
-    def buffer_key(self) -> tuple:
-        """What decides the shapes of this group's collective buffers."""
-        return (self._row_numel(), len(self.params), self.param_dtype, self.reduce_dtype)
-
-    def _row_numel(self) -> int:
-        return sum(p.padded_numel for p in self.params)
+    def register_sharded(self) -> None:
+        """Let the modules see the sharded parameters again (the memory may stay)."""
+        if self.registered_unsharded:
+            for p in self.params:
+                p.to_sharded()
+            self.registered_unsharded = False
 
     # --------------------------------------------------------------------------- reshard
     def reshard(self, *, after_forward: bool = False) -> None:
         """Free the unsharded parameters and register the sharded ones again."""
-        if self._gather is not None:
-            self.wait_for_unshard()
-        if not self.is_unsharded:
+        self.wait_for_unshard()
+        self.register_sharded()
+        if self.state is not ShardedState.UNSHARDED:
             return
         if after_forward and self.post_forward is not None and not self.trivial:
-            self._post_forward_rows = self._rows_for_post_forward()
-        for p in self.params:
-            if not self.trivial:
+            self._kept_rows = self._rows_for_post_forward()
+            self.state = ShardedState.SHARDED_POST_FORWARD
+        else:
+            self.state = ShardedState.SHARDED
+        if not self.trivial:
+            for p in self.params:
                 p.free_unsharded()
-            p.to_sharded()
-        self.is_unsharded = False
 
     def _rows_for_post_forward(self) -> torch.Tensor:
         pf = self.post_forward
         per = self.mesh_info.shard_size // pf.size
         lo = pf.index * per
-        rows = torch.empty((per, self._row_numel()), dtype=self.param_dtype, device=self.device)
+        n = sum(p.padded_numel for p in self.params)
+        rows = torch.empty((per, n), dtype=self.param_dtype, device=self.device)
         offset = 0
         for p in self.params:
-            n = p.padded_numel
-            rows[:, offset : offset + n].copy_(p.unsharded_rank_blocks()[lo : lo + per])
-            offset += n
+            rows[:, offset : offset + p.padded_numel].copy_(
+                p.unsharded_rank_blocks()[lo : lo + per]
+            )
+            offset += p.padded_numel
         return rows
 
+    def buffer_key(self) -> tuple:
+        """What decides the shapes of this group's collective buffers."""
+        n = sum(p.padded_numel for p in self.params)
+        return (n, len(self.params), self.param_dtype, self.reduce_dtype)
+
     # --------------------------------------------------------------------------- gradients
+    @property
+    def _accumulates_in_reduce_dtype(self) -> bool:
+        return self.reduce_dtype != self.param_dtype
+
     def post_backward(self) -> PendingReduce | None:
         """Take the unsharded gradients, reshard, and issue their reduction."""
         with_grad = [p for p in self.params if p.requires_grad]
         if not self.requires_gradient_sync or not with_grad:
-            # no-sync: gradients stay on the unsharded parameters and keep accumulating
+            # no-sync: gradients stay unsharded and keep accumulating (in the reduce dtype
+            # when it differs, so micro-batches add in that precision)
+            if with_grad and self._accumulates_in_reduce_dtype:
+                for p in with_grad:
+                    p.accumulate_unsharded_grad(self.reduce_dtype)
             if self.reshard_after_backward:
                 self.reshard()
+            else:
+                self.register_sharded()
             return None
         grads = [p.take_unsharded_grad() for p in with_grad]
         if self.reshard_after_backward:
             self.reshard()
-        if self.trivial:
+        else:
+            self.register_sharded()
+        if self.trivial and self.all_reduce_hook is None:
             self._install_local_grads(with_grad, grads)
             return None
-        info = self.mesh_info
-        hsdp = info.replicate_mesh_dim is not None and self.requires_all_reduce
-        if self._direct_route():
-            collective = self._issue_block_reduce(with_grad, grads, hsdp)
-            return PendingReduce(self, collective, with_grad, None)
-        with self.streams.reduce():
-            rows = self._gradient_rows(with_grad, grads)
-            # The side stream may still read the gradients, so they are kept until the compute
-            # stream has waited for it; on CPU they go now, before the receive buffer exists.
-            keep, grads = (grads if self.streams.enabled else None), None
-            collective = C.reduce_rows(
-                rows,
-                info.shard_rank,
-                info.shard_group,
-                divide_by=1.0 if hsdp else self._divide_factor(),
-                label=info.shard_mesh_dim,
-                mesh=info.mesh,
-                pool=self.pool,
-            )
-        return PendingReduce(self, collective, with_grad, keep)
-
-    def _issue_block_reduce(self, params: list[FSDPParam], grads: list, hsdp: bool) -> C.Pending:
-        """Gloo on CPU: each rank's block of every gradient goes straight to that rank
-        (``C.reduce_blocks``), with no rank-major staging buffer."""
-        info = self.mesh_info
-        dtype = self.reduce_dtype
-        pieces, slot = [], 0
-        for p, g in zip(params, grads, strict=True):
-            pieces.append((p.grad_run(g, dtype), p.padded_numel, p.rank_numels(), slot))
-            slot += p.padded_numel
-        flags = torch.tensor([float(g is not None) for g in grads], dtype=dtype)
-        return C.reduce_blocks(
-            pieces,
-            flags,
-            info.shard_group,
-            info.shard_rank,
-            width=slot + len(params),
-            divide_by=1.0 if hsdp else self._divide_factor(),
-            label=info.shard_mesh_dim,
-            mesh=info.mesh,
+        hsdp = self.mesh_info.replicate_mesh_dim is not None
+        divided = not hsdp and self.all_reduce_hook is None
+        reduction = C.foreach_reduce(
+            with_grad,
+            grads,
+            dtype=self.reduce_dtype,
+            device=self.device,
+            comm=self.comm,
             pool=self.pool,
+            divide_by=self._divide_factor() if divided else 1.0,
         )
-
-    def _gradient_rows(self, params: list[FSDPParam], grads: list) -> torch.Tensor:
-        """``(shard_size, N + len(params))`` rank-major gradients in the reduce dtype + flags."""
-        ws = self.mesh_info.shard_size
-        dtype = self.param_dtype  # _chunk_cat wants one input dtype; it casts into the output
-        pieces = []
-        for p, g in zip(params, grads, strict=True):
-            if g is None:
-                g = torch.zeros(p.moved_shape(p.rows), dtype=dtype, device=self.device)
-            elif p.shard_dim:
-                g = g.movedim(p.shard_dim, 0)
-            pieces.append(g)
-        flags = [1.0 if g is not None else 0.0 for g in grads]
-        pieces.append(torch.tensor([flags], dtype=dtype, device=self.device).expand(ws, -1))
-        width = sum(p.padded_numel for p in params) + len(params)
-        rows = self.pool.get((ws, width), self.reduce_dtype, self.device)
-        torch._chunk_cat(pieces, dim=0, num_chunks=ws, out=rows)
-        return rows
+        local_flags = [g is not None for g in grads]
+        return PendingReduce(self, reduction, with_grad, local_flags, divided)
 
     def finish_reduce(self, pending: PendingReduce) -> None:
-        """Wait for a reduction, average it and install this rank's gradient shards."""
-        row = pending.collective.wait()
+        """Wait for a reduction, finish HSDP's all-reduce, divide, and install this rank's
+        gradient shards. Reads the flags on the host only where this rank had no gradient
+        of its own (on CUDA that read is the only host sync a reduction may need)."""
+        row = pending.reduction.wait()
         params = pending.params
         info = self.mesh_info
-        if info.replicate_mesh_dim is not None and self.requires_all_reduce:
+        local_flags = pending.local_flags
+        if info.replicate_mesh_dim is not None:
+            if self._partial_reduce is not None:  # micro-batches reduced without all-reduce
+                row.add_(self._partial_reduce)
+                self._partial_reduce = None
+                local_flags = [False] * len(params)  # the flags must be read: any may be set
+            if not self.requires_all_reduce:
+                self._partial_reduce = row
+                return
             C.all_reduce_sum(
                 row, info.replicate_group, label=info.replicate_mesh_dim, mesh=info.mesh
             )
-            row.div_(self._divide_factor())  # the flags too: only their sign is read
         n = row.numel() - len(params)
-        values, flags = row[:n], row[n:].tolist()
-        pending.grads = None  # the compute stream has waited for the reduction
+        values, flags = row[:n], row[n:]
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(values)
+        if not pending.divided:
+            row.div_(self._divide_factor())  # the flags too: only their sign is read
+        present = local_flags if all(local_flags) else [f > 0 for f in flags.tolist()]
         if self.offload:
             values = self._copy_to_host(values, params)
         offset = 0
-        for p, flag in zip(params, flags, strict=True):
-            if flag > 0:
+        for p, has in zip(params, present, strict=True):
+            if has:
                 p.accumulate_sharded_grad(p.shard_grad_from_row(values[offset:]))
             offset += p.padded_numel
 
@@ -409,14 +364,13 @@ class FSDPParamGroup:
             for p in params
         )
         if reads_now:
-            self.streams.synchronize_compute()
+            self.comm.streams.synchronize_compute()
         return host
 
     def _divide_factor(self) -> float:
         if self.gradient_divide_factor is not None:
             return self.gradient_divide_factor
-        info = self.mesh_info
-        return info.shard_size * (info.replicate_size if self.requires_all_reduce else 1)
+        return self.mesh_info.data_parallel_size
 
     def _install_local_grads(self, params: list[FSDPParam], grads: list) -> None:
         factor = self._divide_factor()
@@ -424,41 +378,18 @@ class FSDPParamGroup:
             if g is not None:
                 p.accumulate_sharded_grad(g / factor if factor != 1 else g)
 
-    def has_unsharded_grads(self) -> bool:
-        return any(
-            p.unsharded_param is not None and p.unsharded_param.grad is not None
-            for p in self.params
-        )
-
-
-def _replicate_first_row(rows: torch.Tensor) -> None:
-    if rows.size(0) > 1:
-        rows[1:].copy_(rows[0].expand(rows.size(0) - 1, -1))
-
-
-def _alias_unsharded(p: FSDPParam) -> None:
-    """World of one: the unsharded parameter shares the shard's storage."""
-    local = p.local
-    current = p.unsharded_param
-    if current is None or current.data_ptr() != local.data_ptr() or current.shape != local.shape:
-        grad = current.grad if current is not None else None
-        p.unsharded_param = torch.nn.Parameter(local, requires_grad=p.requires_grad)
-        if grad is not None:
-            p.unsharded_param.grad = grad
-
-
-def _hold_pages_for(params) -> None:
-    """Let the page bank hold a group's worth of unsharded parameters (the largest group's;
-    see [Note: host memory]), for the next group to take while it gathers."""
-    nbytes = sum(p.region_bytes() for p in params)
-    _host_memory.PAGES.keep_bytes = max(_host_memory.PAGES.keep_bytes, nbytes)
-
-
-@contextlib.contextmanager
-def _versions_preserved(params):
-    """Writes into the unsharded parameters inside this block leave their version counters
-    alone: autograd checks them on saved tensors, and a refill is not a modification."""
-    with contextlib.ExitStack() as stack:
-        for p in params:
-            stack.enter_context(torch.autograd._unsafe_preserve_version_counter(p.unsharded_param))
-        yield
+    # --------------------------------------------------------------------------- recovery
+    def reset(self) -> None:
+        """Back to a clean sharded state after an exception (``reset_iter_state``): finish
+        any all-gather in flight, drop unreduced and partially reduced gradients, reshard."""
+        if self._gather is not None:
+            self._gather.wait()
+            self._gather = None
+            self.state = ShardedState.UNSHARDED
+        self._partial_reduce = None
+        for p in self.params:
+            p.drop_unsharded_grads()
+        self.reshard()
+        self._kept_rows = None
+        if self.state is ShardedState.SHARDED_POST_FORWARD:
+            self.state = ShardedState.SHARDED

@@ -5,45 +5,47 @@ One training step, for a model with ``fully_shard`` on every block and on the ro
 forward
     root pre-forward: lazy init (first time), start the iteration, unshard the root group,
     prefetch the first block's all-gather. Each block's pre-forward waits for its own
-    all-gather (already in flight), issues the next block's, and wraps the block's inputs in
-    an identity autograd function whose backward is the block's *post-backward*. Its
-    post-forward reshards (frees the gathered storage) and hooks the outputs so that the
-    first gradient to reach them is the block's *pre-backward*.
+    all-gather (already in flight), registers the unsharded parameters, issues the next
+    block's, and wraps the block's inputs in an identity autograd function whose backward is
+    the block's *post-backward*. Its post-forward reshards (or only registers the sharded
+    parameters again, when it keeps the memory) and hooks the outputs so that the first
+    gradient to reach them is the block's *pre-backward*.
 backward
-    pre-backward: re-gather (or wait for the prefetched gather), prefetch the block that ran
-    before this one. post-backward: take the unsharded gradients, reshard, issue the
-    reduction without waiting. A final callback, queued by the first pre-backward, runs the
-    post-backward of groups whose inputs carried no gradient (the root), reshards what is
-    left and waits for every reduction, installing the sharded ``.grad``.
+    pre-backward: re-gather (or wait for the prefetched gather), register the unsharded
+    parameters, prefetch the block that ran before this one. post-backward: take the
+    unsharded gradients, reshard, issue the reduction without waiting. A final callback,
+    queued by the first pre-backward, runs the post-backward of groups whose inputs carried
+    no gradient (the root), reshards what is left and waits for every reduction, installing
+    the sharded ``.grad``.
+
+Outside forward and backward every module registers its sharded parameters, whatever memory
+is kept, so ``state_dict()`` and ``named_parameters()`` always see the sharded DTensors.
 
 Activation checkpointing re-runs a block's forward inside backward; the hooks see the
 ``PRE_BACKWARD`` state and leave the (already unsharded) parameters alone.
+
+[Note: recovery] An exception inside forward or backward leaves an iteration half done. The
+post-forward hook also runs when forward raises (``always_call``) and marks the iteration
+aborted; a backward that raised leaves its final callback queued and never run. The root's
+next forward sees either sign and calls ``reset_iter_state()`` itself: in-flight collectives
+are finished, unreduced gradients dropped, every group resharded, the trackers cleared.
 """
 
 from __future__ import annotations
 
 import enum
-import gc
 import logging
-import weakref
-from collections import deque
 
 import torch
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fsdp2 import _collectives as C
-from fsdp2 import _host_memory
-from fsdp2._param_group import FSDPParamGroup, PendingReduce
+from fsdp2._comm_context import CommContext
+from fsdp2._param import replaced_by
+from fsdp2._param_group import FSDPParamGroup
 
 logger = logging.getLogger(__name__)
-
-# Every live state, to find the root (the outermost fully_shard module) at lazy init.
-_ALL_STATES: weakref.WeakSet = weakref.WeakSet()
-# id(original parameter) -> FSDPParam that now manages it (to recognise tied uses). The
-# FSDPParam holds the original only weakly, so a stale id is detected by ``owner.original``.
-_MANAGED_ORIGINALS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 class TrainingState(enum.Enum):
@@ -53,21 +55,19 @@ class TrainingState(enum.Enum):
 
 
 class IterationContext:
-    """State shared by all ``fully_shard`` modules under one root, for one iteration."""
+    """State shared by all ``fully_shard`` modules under one root, for one iteration, and
+    the root's communication resources (``comm``)."""
 
-    # Reductions in flight at once. A new one first finishes the oldest, so it reuses that
-    # one's buffers; measured at 4 ranks: one in flight, peak RSS ~50 MB lower than two.
-    MAX_PENDING_REDUCES = 1
-
-    def __init__(self, root: FSDPState, states: list[FSDPState]) -> None:
+    def __init__(self, root: FSDPState, states: list[FSDPState], comm: CommContext) -> None:
         self.root = root
         self.states = states
+        self.comm = comm
         self.pre_forward_order: list[FSDPState] = []
         self.post_forward_order: list[FSDPState] = []
         self.next_in_forward: dict[FSDPState, FSDPState] = {}
         self.callback_queued = False
         self.is_last_backward = True
-        self.pending: deque[PendingReduce] = deque()
+        self.aborted = False  # a forward raised (see [Note: recovery])
 
     def start_forward(self) -> None:
         if self.pre_forward_order:
@@ -82,31 +82,18 @@ class IterationContext:
         for s in self.states:
             s.post_backward_waiting = 0
 
-    def make_room_for_reduce(self) -> None:
-        """Finish the oldest reductions before a new one takes its buffers, so that at most
-        ``MAX_PENDING_REDUCES`` are ever in flight (the freed buffers are reused at once)."""
-        while len(self.pending) >= self.MAX_PENDING_REDUCES:
-            self._finish_one()
-
-    def queue_reduce(self, pending: PendingReduce) -> None:
-        self.pending.append(pending)
-
-    def drain_reduces(self) -> None:
-        """Finish every reduction in flight and return the pooled buffers (idle until the
-        next step's gathers, so the memory is better given back)."""
-        while self.pending:
-            self._finish_one()
-        C.POOL.clear()
+    def needs_reset(self) -> bool:
+        """Whether the previous iteration was cut short by an exception."""
+        return (
+            self.aborted
+            or self.callback_queued
+            or any(s.training_state is not TrainingState.IDLE for s in self.states)
+        )
 
     def finish_reduces(self) -> None:
-        self.drain_reduces()
-        offloading = [s.group for s in self.states if s.group is not None and s.group.offload]
-        if offloading:  # the optimizer steps on the host: wait for the device copies
-            offloading[0].streams.synchronize_compute()
-
-    def _finish_one(self) -> None:
-        pending = self.pending.popleft()
-        pending.group.finish_reduce(pending)
+        self.comm.drain_reduces()
+        if any(s.group is not None and s.group.offload for s in self.states):
+            self.comm.streams.synchronize_compute()  # the optimizer steps on the host
 
     def ensure_final_callback(self) -> None:
         if not self.callback_queued:
@@ -143,6 +130,10 @@ class FSDPState:
         self.mp_policy = mp_policy
         self.reshard_after_forward_arg = reshard_after_forward
         self.ctx: IterationContext | None = None
+        self.outer: FSDPState | None = None  # the enclosing fully_shard call, if any
+        # ties to parameters of calls outside this one's subtree, for an enclosing call to
+        # resolve: (owner FSDPParam, module, attribute name)
+        self.pending_ties: list = []
         self.is_root = False
         self.training_state = TrainingState.IDLE
         self.forward_prefetch: list[FSDPState] | None = None  # None: implicit
@@ -151,10 +142,14 @@ class FSDPState:
         self.needs_post_backward = False
         self._depth = 0
         self._done: set[int] = set()
+        self._post_ran = 0  # post-forward hooks that ran normally, for abort detection
+        self.handles = []
         for m in modules:
-            m.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
-            m.register_forward_hook(self._post_forward_hook)
-        _ALL_STATES.add(self)
+            self.handles += [
+                m.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True),
+                m.register_forward_hook(self._post_forward_hook),
+                m.register_forward_hook(self._abort_hook, always_call=True),
+            ]
 
     def __repr__(self) -> str:
         names = ", ".join(type(m).__name__ for m in self.modules)
@@ -165,15 +160,21 @@ class FSDPState:
         """Become the root of every fully_shard module below us (first forward only)."""
         if self.ctx is not None:
             return
-        self._check_no_uninitialized_ancestor()
-        subtree = [m for top in self.modules for m in top.modules()]
-        seen, states = set(), []
-        for m in subtree:
-            state = m.__dict__.get("_fsdp_state")
-            if state is not None and id(state) not in seen:
-                seen.add(id(state))
-                states.append(state)
-        ctx = IterationContext(self, states)
+        if self.outer is not None:
+            outer = type(self.outer.modules[0]).__name__
+            mine = type(self.modules[0]).__name__
+            raise RuntimeError(
+                f"fully_shard: {mine}.forward ran before the forward of the fully_shard module "
+                f"{outer} that contains it. The outermost fully_shard module is the root and "
+                f"must run forward first (call model(...), not a submodule); it then sets up "
+                f"every module below it."
+            )
+        states = self.subtree_states()
+        _check_pending_ties(states)
+        _check_tied_leftovers(self.modules, states)
+        groups = [s.group for s in states if s.group is not None and s.group.params]
+        device = groups[0].device if groups else torch.device("cpu")
+        ctx = IterationContext(self, states, CommContext(device))
         for s in states:
             s.ctx = ctx
             s.is_root = s is self
@@ -182,38 +183,29 @@ class FSDPState:
                 s.group.reshard_after_forward = (not s.is_root) if arg is None else bool(arg)
                 s.group.check_dtypes()
                 s.group.check_offload()
-                s.group.initialized = True
-        _share_buffer_pool([s.group for s in states if s.group is not None and s.group.params])
+                s.group.comm = ctx.comm
+        _share_buffer_pool(groups, ctx.comm)
         _name_params(self.modules)
-        _check_tied_leftovers(states)
         logger.debug("fully_shard root %r manages %d groups", self, len(states))
 
-    def init_from_root(self) -> None:
-        """Lazy-init through the outermost fully_shard module containing this one (for calls
-        such as ``unshard()`` that may come before the first forward)."""
-        if self.ctx is not None:
-            return
-        root = self
-        for other in list(_ALL_STATES):
-            if any(root.modules[0] is m for top in other.modules for m in top.modules()):
-                root = other
-        root.lazy_init()
+    def subtree_states(self) -> list[FSDPState]:
+        """Every fully_shard state at or below this call's modules, outermost first."""
+        seen, states = set(), []
+        for top in self.modules:
+            for m in top.modules():
+                state = m.__dict__.get("_fsdp_state")
+                if state is not None and id(state) not in seen:
+                    seen.add(id(state))
+                    states.append(state)
+        return states
 
-    def _check_no_uninitialized_ancestor(self) -> None:
-        mine = self.modules[0]
-        for other in list(_ALL_STATES):
-            if other is self:
-                continue
-            if any(mine is m for top in other.modules for m in top.modules()):
-                outer = type(other.modules[0]).__name__
-                raise RuntimeError(
-                    f"fully_shard: {type(mine).__name__}.forward ran before the forward of the "
-                    f"fully_shard module {outer} that contains it. The outermost fully_shard "
-                    f"module is the root and must run forward first (call model(...), not a "
-                    f"submodule); it then sets up every module below it. If fully_shard was "
-                    f"applied to this submodule after the model's first forward, apply "
-                    f"fully_shard to all modules before running any forward."
-                )
+    def init_from_root(self) -> None:
+        """Lazy-init through the outermost fully_shard call containing this one (for calls
+        such as ``unshard()`` that may come before the first forward)."""
+        root = self
+        while root.outer is not None:
+            root = root.outer
+        root.lazy_init()
 
     # ----------------------------------------------------------------------- forward
     def _pre_forward_hook(self, module, args, kwargs):
@@ -221,6 +213,12 @@ class FSDPState:
             return None  # activation-checkpoint recomputation: parameters already unsharded
         self.lazy_init()
         ctx = self.ctx
+        if self.is_root and (ctx.aborted or (self._depth == 0 and ctx.needs_reset())):
+            logger.warning(
+                "fully_shard: the previous iteration raised inside forward or backward; "
+                "resetting FSDP's iteration state (its gradients are dropped)"
+            )
+            self.reset_iter_state()
         if self.is_root and self._depth == 0:
             ctx.start_forward()
         self._depth += 1
@@ -229,6 +227,7 @@ class FSDPState:
         if self.group is not None:
             self.group.unshard()
             self.group.wait_for_unshard()
+            self.group.register_unsharded()
             self._prefetch(self._forward_targets(), backward=False)
         policy = self.mp_policy
         if policy.param_dtype is not None and policy.cast_forward_inputs:
@@ -240,6 +239,7 @@ class FSDPState:
     def _post_forward_hook(self, module, args, output):
         if self.training_state is TrainingState.PRE_BACKWARD:
             return None
+        self._post_ran += 1
         self._depth -= 1
         self._done.add(id(module))
         tensors = []
@@ -254,12 +254,22 @@ class FSDPState:
                     self.group.reshard()  # nothing to differentiate: no backward will come
                 elif self.group.reshard_after_forward:
                     self.group.reshard(after_forward=True)
+                else:
+                    self.group.register_sharded()
             self.training_state = TrainingState.IDLE
         if tensors:
             register_multi_grad_hook(tensors, self._pre_backward, mode="any")
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         return output
+
+    def _abort_hook(self, module, args, output):
+        """Runs after every forward, also one that raised ([Note: recovery])."""
+        if self._post_ran:
+            self._post_ran -= 1  # the normal post-forward hook ran: nothing to do
+        elif self.ctx is not None and self.training_state is TrainingState.FORWARD:
+            self.ctx.aborted = True
+        return None
 
     def _has_grad_params(self) -> bool:
         return self.group is not None and any(p.requires_grad for p in self.group.params)
@@ -287,6 +297,7 @@ class FSDPState:
         if group is not None and group.unshard_in_backward:
             group.unshard()
             group.wait_for_unshard()
+            group.register_unsharded()
         self._prefetch(self._backward_targets(), backward=True)
 
     def post_backward_from_inputs(self) -> None:
@@ -299,10 +310,11 @@ class FSDPState:
         self.needs_post_backward = False
         self.training_state = TrainingState.IDLE
         if self.group is not None:
-            self.ctx.make_room_for_reduce()
+            comm = self.ctx.comm
+            comm.make_room_for_reduce()
             pending = self.group.post_backward()
             if pending is not None:
-                self.ctx.queue_reduce(pending)
+                comm.queue_reduce(pending)
 
     def final_callback(self) -> None:
         """End of backward (root only): finish every group, then wait for reductions."""
@@ -310,19 +322,50 @@ class FSDPState:
         if ctx.is_last_backward:
             # Every block's reduction is in flight: finish them and return the pooled
             # buffers before the groups left over (the root) allocate theirs.
-            ctx.drain_reduces()
+            ctx.comm.drain_reduces()
         for s in ctx.states:
             if s.needs_post_backward:
                 s.run_post_backward()
-            elif s.group is not None and s.group.reshard_after_backward:
-                s.group.reshard()
+            elif s.group is not None:
+                if s.group.reshard_after_backward:
+                    s.group.reshard()
+                else:
+                    s.group.register_sharded()
             s.training_state = TrainingState.IDLE
             s._depth = 0
             s._done.clear()
         if ctx.is_last_backward:
             ctx.finish_reduces()
-            _host_memory.PAGES.clear()  # nothing gathers until the next forward
+            ctx.comm.end_of_backward()
         ctx.callback_queued = False
+
+    # ----------------------------------------------------------------------- recovery
+    def reset_iter_state(self) -> None:
+        """[Note: recovery] Finish in-flight collectives, drop unreduced gradients, reshard
+        every group and clear the trackers, so the next forward starts clean."""
+        ctx = self.ctx
+        if ctx is None:
+            return
+        if not self.is_root:
+            raise RuntimeError(
+                "reset_iter_state: call it on the root fully_shard module (the outermost "
+                f"one), got {type(self.modules[0]).__name__}, which is not the root."
+            )
+        ctx.comm.discard_reduces()
+        for s in ctx.states:
+            if s.group is not None:
+                s.group.reset()
+            s.training_state = TrainingState.IDLE
+            s.post_backward_waiting = 0
+            s.needs_post_backward = False
+            s._depth = 0
+            s._done.clear()
+            s._post_ran = 0
+        ctx.comm.end_of_backward()
+        ctx.pre_forward_order = []
+        ctx.post_forward_order = []
+        ctx.callback_queued = False
+        ctx.aborted = False
 
     # ----------------------------------------------------------------------- prefetch
     def _forward_targets(self) -> list[FSDPState]:
@@ -356,14 +399,14 @@ def _cast_floats(tree, dtype: torch.dtype):
     return tree_map(cast, tree)
 
 
-def _share_buffer_pool(groups: list[FSDPParamGroup]) -> None:
+def _share_buffer_pool(groups: list[FSDPParamGroup], comm: CommContext) -> None:
     """Pool collective buffers only for groups whose shapes another group shares (the
     blocks of a transformer); the root's are freed after use instead of held all step."""
     counts: dict[tuple, int] = {}
     for g in groups:
         counts[g.buffer_key()] = counts.get(g.buffer_key(), 0) + 1
     for g in groups:
-        g.pool = C.POOL if counts[g.buffer_key()] > 1 else C.NO_POOL
+        g.pool = comm.pool if counts[g.buffer_key()] > 1 else comm.no_pool
 
 
 def _name_params(roots) -> None:
@@ -379,38 +422,36 @@ def _name_params(roots) -> None:
                         p.fqn = f"{mod_name}.{attr}" if mod_name else attr
 
 
-def _check_tied_leftovers(states) -> None:
-    """A managed parameter's original still registered in some module means a broken tie.
-
-    ``fully_shard`` replaces a parameter in the modules it covers; a module outside every
-    call (a tied embedding, say) would keep training the old, full, unsynchronized tensor.
-    The originals are held weakly, so only ones something still references are examined.
-    """
+def _check_pending_ties(states) -> None:
+    """A parameter tied across two sibling fully_shard calls needs a call that contains
+    both (it then moves to that call's group); none came before the first forward."""
     for s in states:
-        for p in s.group.params if s.group is not None else ():
-            original = p.original
-            if original is None:
-                continue
-            for holder in _modules_registering(original):
-                raise ValueError(
-                    f"fully_shard: parameter {p.fqn!r} is tied to the {holder} parameter of a "
-                    f"module that no fully_shard call covers, so the two would drift apart. "
-                    f"Call fully_shard on a module that contains both uses (for example the "
-                    f"root model) after the inner calls; the shared parameter then moves to "
-                    f"that group."
-                )
+        for owner, module, attr in s.pending_ties:
+            first = type(owner.locations[0][0]).__name__
+            raise ValueError(
+                f"fully_shard: parameter {owner.fqn!r} ({first}.{owner.locations[0][1]}) is "
+                f"tied to {type(module).__name__}.{attr}, and the two are sharded by separate "
+                f"fully_shard calls ({type(owner.group.modules[0]).__name__} and "
+                f"{type(s.modules[0]).__name__}) with no call containing both. Call "
+                "fully_shard on a module that contains both uses (for example the root "
+                "model) after them; the shared parameter then moves to that group."
+            )
 
 
-def _modules_registering(param) -> list[str]:
-    """``'Class.attr'`` for every module whose ``_parameters`` holds ``param``."""
-    found = []
-    for holder in gc.get_referrers(param):
-        if not isinstance(holder, dict):
-            continue
-        for owner in gc.get_referrers(holder):
-            if isinstance(owner, dict) and owner.get("_parameters") is holder:
-                for m in gc.get_referrers(owner):
-                    if isinstance(m, torch.nn.Module) and m.__dict__ is owner:
-                        attr = next(k for k, v in holder.items() if v is param)
-                        found.append(f"{type(m).__name__}.{attr}")
-    return found
+def _check_tied_leftovers(roots, states) -> None:
+    """A replaced parameter still registered in a module below the root means a tie that no
+    fully_shard call covered: the two would drift apart. Found by walking the module tree
+    (``fully_shard`` marks every parameter it replaced, see [Note: replaced parameters])."""
+    for top in roots:
+        for name, m in top.named_modules(remove_duplicate=False):
+            for attr, p in m._parameters.items():
+                owner = replaced_by(p) if p is not None else None
+                if owner is not None:
+                    path = f"{name}.{attr}" if name else attr
+                    raise ValueError(
+                        f"fully_shard: parameter {path!r} was replaced by fully_shard (as "
+                        f"{owner.fqn!r}) but {type(m).__name__}.{attr} still registers the "
+                        "original, so the two would drift apart. Call fully_shard on a module "
+                        "that contains both uses (for example the root model) after the inner "
+                        "calls; the shared parameter then moves to that group."
+                    )

@@ -31,7 +31,7 @@ import torch
 
 
 class CommStreams:
-    """The side streams of one device (one set per root ``fully_shard`` module).
+    """The side streams of one device (one set per training root, in its ``CommContext``).
 
     Example:
         >>> streams = CommStreams(torch.device("cpu"))
@@ -46,17 +46,26 @@ class CommStreams:
             self.gather_stream = torch.cuda.Stream(device=device)
             self.reduce_stream = torch.cuda.Stream(device=device)
 
-    def gather(self):
-        """Context for an all-gather's copy-in and issue (the gather stream on CUDA)."""
-        return self._on(self.gather_stream) if self.enabled else contextlib.nullcontext()
+    def gather(self, after=None):
+        """Context for an all-gather's copy-in and issue (the gather stream on CUDA).
+
+        The gather stream first waits for the compute stream, or only for ``after`` (an
+        event the user recorded after the optimizer step, ``set_post_optim_event``).
+        """
+        if not self.enabled:
+            return contextlib.nullcontext()
+        return self._on(self.gather_stream, after)
 
     def reduce(self):
         """Context for a reduction's copy-in and issue (the reduce stream on CUDA)."""
         return self._on(self.reduce_stream) if self.enabled else contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def _on(self, stream):
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+    def _on(self, stream, after=None):
+        if after is not None:
+            stream.wait_event(after)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             yield
 
@@ -66,19 +75,3 @@ class CommStreams:
         copy-in may still read). No-op on CPU."""
         if self.enabled:
             torch.cuda.current_stream(self.device).synchronize()
-
-
-_BY_DEVICE: dict[str, CommStreams] = {}
-
-
-def streams_for(device: torch.device) -> CommStreams:
-    """The shared side streams of ``device`` (created on first use).
-
-    Example:
-        >>> streams_for(torch.device("cpu")).enabled
-        False
-    """
-    key = str(device)
-    if key not in _BY_DEVICE:
-        _BY_DEVICE[key] = CommStreams(device)
-    return _BY_DEVICE[key]

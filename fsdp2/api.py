@@ -69,3 +69,59 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+
+def _is_torch_policy(obj, name: str) -> bool:
+    cls = type(obj)
+    return cls.__name__ == name and cls.__module__.startswith("torch.distributed.fsdp")
+
+
+def as_mp_policy(policy, *, api: str = "fully_shard") -> MixedPrecisionPolicy:
+    """``policy`` as our ``MixedPrecisionPolicy``; PyTorch's (same fields) is converted.
+
+    Raises:
+        TypeError: anything else, naming its module and the import to use.
+
+    Example:
+        >>> from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+        >>> as_mp_policy(TorchMP(param_dtype=torch.bfloat16)).param_dtype
+        torch.bfloat16
+    """
+    if isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    if _is_torch_policy(policy, "MixedPrecisionPolicy"):
+        return MixedPrecisionPolicy(
+            param_dtype=policy.param_dtype,
+            reduce_dtype=policy.reduce_dtype,
+            output_dtype=policy.output_dtype,
+            cast_forward_inputs=policy.cast_forward_inputs,
+        )
+    raise TypeError(
+        f"{api}: mp_policy must be an fsdp2.MixedPrecisionPolicy (or PyTorch's), got "
+        f"{type(policy).__module__}.{type(policy).__qualname__}. Use "
+        "`from fsdp2 import MixedPrecisionPolicy`."
+    )
+
+
+def as_offload_policy(policy, *, api: str = "fully_shard") -> OffloadPolicy:
+    """``policy`` as our ``OffloadPolicy``/``CPUOffloadPolicy``; PyTorch's are converted.
+
+    Raises:
+        TypeError: anything else, naming its module and the import to use.
+
+    Example:
+        >>> from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload
+        >>> as_offload_policy(TorchOffload(pin_memory=False))
+        CPUOffloadPolicy(pin_memory=False)
+    """
+    if isinstance(policy, OffloadPolicy):
+        return policy
+    if _is_torch_policy(policy, "CPUOffloadPolicy"):
+        return CPUOffloadPolicy(pin_memory=policy.pin_memory)
+    if _is_torch_policy(policy, "OffloadPolicy"):
+        return OffloadPolicy()
+    raise TypeError(
+        f"{api}: offload_policy must be an fsdp2.OffloadPolicy or CPUOffloadPolicy (or "
+        f"PyTorch's), got {type(policy).__module__}.{type(policy).__qualname__}. Use "
+        "`from fsdp2 import CPUOffloadPolicy`."
+    )

@@ -1,279 +1,53 @@
-"""``fully_shard``: the entry point, and ``FSDPModule``, the class every sharded module joins.
+"""``fully_shard``: validate, build, install.
 
-``fully_shard(module)`` validates everything first (so every rank fails together, before any
-collective), shards the parameters of ``module`` that no inner ``fully_shard`` call already
-took, and swaps ``module.__class__`` for a subclass of both ``FSDPModule`` and the original
-class: ``isinstance(module, FSDPModule)`` holds and every original method still works.
+``fully_shard(module)`` validates everything first - arguments, parameters, tied parameters
+and the order of calls - using only inputs that are the same on every rank, so every rank
+fails together and a failing call changes nothing and creates no process group. Then it
+creates the process groups it needs, builds the sharded parameters, and only then installs
+them: registers the shards, moves tied parameters, hooks the modules and swaps each module's
+``__class__`` for a subclass of both ``FSDPModule`` and the original class.
+
+[Note: tied parameters] A parameter registered in several modules is sharded once. Uses
+inside one call share it directly. When an inner call already took it and this call's
+subtree contains every use, this call takes it over: its group is unsharded while all the
+uses run. When two sibling calls share it (``fully_shard(tok)``, ``fully_shard(head)``),
+neither group covers the other's use, so the second call records a *pending tie*; the first
+enclosing call that contains both takes the parameter over (the lowest common ancestor,
+typically the root). A pending tie left at the first forward is an error naming both uses.
 """
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from device_mesh import DeviceMesh, init_device_mesh
+from device_mesh import DeviceMesh, as_device_mesh, init_device_mesh
 from device_mesh._groups import backend_for
 from dtensor import DTensor
-from dtensor.placement import Shard
-from fsdp2._param import FSDPParam, MeshInfo
+from dtensor.placement import Shard, from_torch_placement
+from fsdp2._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, swap_class
+from fsdp2._param import FSDPParam, MeshInfo, is_managed, replaced_by
 from fsdp2._param_group import FSDPParamGroup, PostForwardMesh
-from fsdp2._state import _MANAGED_ORIGINALS, FSDPState
-from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp2._replaced import install_optimizer_check
+from fsdp2._state import FSDPState
+from fsdp2._state_dict import add_location
+from fsdp2.api import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    as_mp_policy,
+    as_offload_policy,
+)
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 
 _API = "fully_shard"
 
 
-class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the all-gather.
-
-    Example:
-        >>> handle = model.blocks[1].unshard(async_op=True)
-        >>> ...                  # compute while the all-gather runs
-        >>> handle.wait()        # the block now holds its full parameters
-    """
-
-    def __init__(self, group: FSDPParamGroup | None) -> None:
-        self._group = group
-
-    def wait(self) -> None:
-        if self._group is not None:
-            self._group.wait_for_unshard()
-            self._group = None
-
-
-class FSDPModule:
-    """Mixin every ``fully_shard`` module gains (through a swapped ``__class__``).
-
-    Example:
-        >>> fully_shard(model)
-        >>> isinstance(model, FSDPModule)
-        True
-        >>> model.set_requires_gradient_sync(False)   # accumulate without communication
-    """
-
-    @property
-    def _fsdp(self) -> FSDPState:
-        return self.__dict__["_fsdp_state"]
-
-    def _states(self, recurse: bool) -> list[FSDPState]:
-        if not recurse:
-            return [self._fsdp]
-        out, seen = [], set()
-        for m in self.modules():
-            s = m.__dict__.get("_fsdp_state")
-            if s is not None and id(s) not in seen:
-                seen.add(id(s))
-                out.append(s)
-        return out
-
-    def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
-        return [s.group for s in self._states(recurse) if s.group is not None]
-
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather this module's parameters; with ``async_op`` return a handle to wait on.
-
-        Example:
-            >>> model.unshard()          # full parameters until reshard() or the next backward
-        """
-        state = self._fsdp
-        state.init_from_root()
-        group = state.group
-        if group is not None:
-            group.unshard()
-        handle = UnshardHandle(group)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
-
-    def reshard(self) -> None:
-        """Free the unsharded parameters; the module holds its shards again.
-
-        Example:
-            >>> model.reshard()
-        """
-        if self._fsdp.group is not None:
-            self._fsdp.group.reshard()
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse=True) -> None:
-        """Turn gradient reduction off (gradient accumulation) or back on.
-
-        Without sync, gradients accumulate unsharded on every rank; the next backward with
-        sync reduces the sum.
-
-        Example:
-            >>> model.set_requires_gradient_sync(False)
-            >>> loss(micro_batch_0).backward()
-            >>> model.set_requires_gradient_sync(True)
-            >>> loss(micro_batch_1).backward()     # reduces both micro-batches' gradients
-        """
-        for g in self._groups(recurse):
-            g.requires_gradient_sync = _check_bool(requires_gradient_sync, "requires_gradient_sync")
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse=True) -> None:
-        """HSDP: skip (False) or do (True) the all-reduce across replicas after the reduction.
-
-        Example:
-            >>> model.set_requires_all_reduce(False)
-        """
-        for g in self._groups(recurse):
-            g.requires_all_reduce = _check_bool(requires_all_reduce, "requires_all_reduce")
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse=True) -> None:
-        """Free (True) or keep (False) the unsharded parameters between forward and backward.
-
-        Example:
-            >>> model.set_reshard_after_forward(False)   # trade memory for one all-gather
-        """
-        flag = _check_bool(reshard_after_forward, "reshard_after_forward")
-        for s in self._states(recurse):
-            s.reshard_after_forward_arg = flag
-            if s.group is not None:
-                s.group.reshard_after_forward = flag
-                s.group.post_forward = None
-
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse=True) -> None:
-        """Free (True) or keep (False) the unsharded parameters after backward.
-
-        Example:
-            >>> model.set_reshard_after_backward(False)   # e.g. during gradient accumulation
-        """
-        for g in self._groups(recurse):
-            g.reshard_after_backward = _check_bool(reshard_after_backward, "reshard_after_backward")
-
-    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """All-gather these modules' parameters as soon as this module's forward starts.
-
-        An empty list turns prefetching off for this module (the default prefetches the next
-        module in the previous iteration's forward order).
-
-        Example:
-            >>> blocks[0].set_modules_to_forward_prefetch([blocks[1], blocks[2]])
-        """
-        self._fsdp.forward_prefetch = _prefetch_states(modules, "set_modules_to_forward_prefetch")
-
-    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """All-gather these modules' parameters as soon as this module's backward starts.
-
-        An empty list turns prefetching off (the default prefetches the module that ran
-        before this one in forward).
-
-        Example:
-            >>> blocks[2].set_modules_to_backward_prefetch([blocks[1]])
-        """
-        self._fsdp.backward_prefetch = _prefetch_states(modules, "set_modules_to_backward_prefetch")
-
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward ends the step (it then waits for every reduction).
-
-        Example:
-            >>> model.set_is_last_backward(False)   # micro-batches before the last one
-        """
-        state = self._fsdp
-        state.init_from_root()
-        state.ctx.is_last_backward = _check_bool(is_last_backward, "is_last_backward")
-
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by ``factor`` instead of the data-parallel size.
-
-        gloo has no pre-multiplied sum, so this is a sum followed by a division.
-
-        Example:
-            >>> model.set_gradient_divide_factor(1.0)   # sum gradients instead of averaging
-        """
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
-            raise ValueError(
-                f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}."
-            )
-        for g in self._groups(True):
-            g.gradient_divide_factor = float(factor)
-
-    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """Skip (False) the backward all-gather for a module whose parameters backward never
-        reads (for example an embedding whose gradient is not needed).
-
-        Example:
-            >>> model.tok_emb.set_unshard_in_backward(False)
-        """
-        if self._fsdp.group is not None:
-            self._fsdp.group.unshard_in_backward = _check_bool(
-                unshard_in_backward, "unshard_in_backward"
-            )
-
-    def __deepcopy__(self, memo):
-        raise RuntimeError(
-            f"copy.deepcopy of a fully_shard module ({type(self).__name__}) is not supported: "
-            "the copy would share this module's process groups, hooks and gathered buffers. "
-            "Deepcopy the model before calling fully_shard, or build a second model, call "
-            "fully_shard on it and load_state_dict(model.state_dict())."
-        )
-
-
-def _check_bool(value, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__}).")
-    return value
-
-
-def _prefetch_states(modules, api: str) -> list[FSDPState]:
-    modules = list(modules)
-    for m in modules:
-        if not isinstance(m, FSDPModule):
-            raise ValueError(
-                f"{api}: every module must have been passed to fully_shard; "
-                f"{type(m).__name__} was not."
-            )
-    return [m._fsdp for m in modules]
-
-
-_CLASS_CACHE: dict[type, type] = {}
-
-
-def _swap_class(module: nn.Module) -> None:
-    cls = module.__class__
-    new_cls = _CLASS_CACHE.get(cls)
-    if new_cls is None:
-        new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-        _CLASS_CACHE[cls] = new_cls
-    module.__class__ = new_cls
-
-
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Run FSDP's forward hooks around another method, e.g. ``generate``.
-
-    Without this, calling ``model.generate()`` directly would run with sharded parameters.
-    Does nothing on a module that is not an ``FSDPModule``.
-
-    Example:
-        >>> fully_shard(model)
-        >>> register_fsdp_forward_method(model, "generate")
-        >>> model.generate(prompt)       # parameters gathered for the whole call
-    """
-    if not isinstance(module, FSDPModule):
-        return
-    if not callable(getattr(module, method_name, None)):
-        raise ValueError(
-            f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}."
-        )
-    method = getattr(type(module), method_name)
-    state = module._fsdp
-
-    def wrapped(self, *args, **kwargs):
-        hooked = state._pre_forward_hook(self, args, kwargs)
-        if hooked is not None:
-            args, kwargs = hooked
-        out = method(self, *args, **kwargs)
-        result = state._post_forward_hook(self, args, out)
-        return out if result is None else result
-
-    setattr(module, method_name, types.MethodType(wrapped, module))
-
-
-# --------------------------------------------------------------------------------- fully_shard
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -293,12 +67,13 @@ def fully_shard(
 
     Args:
         module: a module, or a list of modules that share one all-gather.
-        mesh: defaults to a 1-D mesh over all ranks of the default process group.
+        mesh: defaults to a 1-D mesh over all ranks of the default process group. PyTorch's
+            ``DeviceMesh`` is accepted too (converted over its process groups).
         reshard_after_forward: True frees the gathered parameters after forward (gather
             again in backward); False keeps them; None means True except for the root; an
             int ``k`` keeps a 1/k share after forward and re-gathers within groups of ``k``.
         shard_placement_fn: per parameter, ``Shard(dim)`` to shard another dim, or None.
-        mp_policy: dtypes for compute, reduction and outputs.
+        mp_policy: dtypes for compute, reduction and outputs (ours or PyTorch's).
         offload_policy: ``CPUOffloadPolicy()`` keeps sharded state in host memory.
         ignored_params: parameters left alone (not sharded, no gradient reduction).
 
@@ -307,7 +82,8 @@ def fully_shard(
 
     Raises:
         ValueError / TypeError: invalid arguments, naming the argument and value, raised on
-        every rank before any collective.
+            every rank before any collective and before anything is modified.
+        RuntimeError: ``fully_shard`` called on a module inside one already sharded.
 
     Example:
         >>> model = GPT(cfg)
@@ -316,42 +92,164 @@ def fully_shard(
         >>> fully_shard(model)
         >>> opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     """
+    # 1. validate: nothing is modified and no process group is created before this passes
     modules = _as_modules(module)
-    mesh = _default_mesh() if mesh is None else mesh
+    mesh = _default_mesh() if mesh is None else as_device_mesh(mesh, api=_API)
     info = _mesh_info(mesh)
     device = _compute_device(mesh)
+    _check_reshard_after_forward(reshard_after_forward, info)
+    mp_policy = as_mp_policy(mp_policy)
+    offload_policy = as_offload_policy(offload_policy)
+    plan = _collect_params(modules, _ignored_ids(ignored_params))
+    _check_params(plan, device)
+    dims = [_shard_dim(shard_placement_fn, p, plan.names[id(p)]) for p, _ in plan.new]
+    _check_take_overs(plan, info)
+    # 2. process groups
     post_forward = _post_forward_mesh(reshard_after_forward, mesh, info)
-    _check_policies(mp_policy, offload_policy)
-    ignored = _ignored_ids(ignored_params)
-    entries, names = _collect_params(modules, ignored)
-    _check_params(entries, names, device)
-    dims = [
-        _shard_dim(shard_placement_fn, p, names[id(p)]) if owner is None else None
-        for p, _, owner in entries
-    ]
+    # 3. build the sharded parameters (modules still untouched)
     shard_device, pin = _shard_storage(offload_policy, device)
-    params: list[FSDPParam] = []  # nothing is modified before this point
-    for (p, locations, owner), dim in zip(entries, dims, strict=True):
-        if owner is not None:
-            params.append(_take_over(owner, locations, info))
-            continue
-        fp = FSDPParam(p, locations, info, dim, shard_device, pin_memory=pin)
-        _MANAGED_ORIGINALS[id(p)] = fp
-        fp.to_sharded()
-        params.append(fp)
+    built = {
+        id(p): FSDPParam(p, locations, info, dim, shard_device, pin_memory=pin)
+        for (p, locations), dim in zip(plan.new, dims, strict=True)
+    }
+    # 4. install
+    params = _install(plan, built, modules)
     group = None
     if params:
         group = FSDPParamGroup(params, info, device, mp_policy, offload_policy, post_forward)
+        group.modules = modules
     rab = reshard_after_forward
     if isinstance(rab, int) and not isinstance(rab, bool):
         rab = rab != 1
     state = FSDPState(modules, group, mp_policy, rab)
+    state.pending_ties = plan.pending
+    for nested in plan.nested:
+        nested.outer = state
     for m in modules:
         m.__dict__["_fsdp_state"] = state
-        _swap_class(m)
+        swap_class(m)
+    install_optimizer_check()
     return module
 
 
+# --------------------------------------------------------------------------------- collecting
+@dataclass
+class _Plan:
+    """What one call will do, decided before anything changes.
+
+    ``order``: ``("new", param)`` or ``("take", FSDPParam)`` in registration order;
+    ``new``: ``(param, locations)`` to shard; ``taken``: ``{id(FSDPParam): (it, new
+    locations)}`` tied parameters moved in from inner calls; ``pending``: ties for an
+    enclosing call to resolve; ``nested``: fully_shard states directly below;
+    ``resolved``: pending ties of nested states this call resolves.
+    """
+
+    order: list = field(default_factory=list)
+    new: list = field(default_factory=list)
+    taken: dict = field(default_factory=dict)
+    pending: list = field(default_factory=list)
+    nested: list = field(default_factory=list)
+    resolved: list = field(default_factory=list)
+    names: dict = field(default_factory=dict)
+
+
+def _collect_params(modules, ignored: set[int]) -> _Plan:
+    """Walk the modules (not into inner fully_shard calls) and sort every parameter."""
+    plan = _Plan()
+    subtree = {id(m) for top in modules for m in top.modules()}
+    new: dict[int, tuple] = {}
+    visited: set[int] = set()
+
+    def take(owner: FSDPParam, module: nn.Module, attr: str) -> None:
+        entry = plan.taken.get(id(owner))
+        if entry is None:
+            entry = plan.taken[id(owner)] = (owner, [])
+            plan.order.append(("take", owner))
+        entry[1].append((module, attr))
+
+    def visit(m: nn.Module, prefix: str, top: bool) -> None:
+        if id(m) in visited:
+            return
+        visited.add(id(m))
+        state = m.__dict__.get("_fsdp_state")
+        if state is not None and not top:
+            plan.nested.append(state)
+            return
+        for attr, p in m._parameters.items():
+            if p is None or id(p) in ignored:
+                continue
+            name = prefix + attr
+            if is_managed(p):
+                raise RuntimeError(
+                    f"{_API}: parameter {name!r} was already sharded by fully_shard on "
+                    f"{p._fsdp_managed}, which contains this module. Call fully_shard on "
+                    "inner modules first (each block), then on the modules that contain them "
+                    "(the root last)."
+                )
+            if isinstance(p, DTensor):
+                raise NotImplementedError(
+                    f"{_API}: parameter {name} is already a DTensor ({p.placements}); "
+                    "composing fully_shard with tensor parallelism is not supported yet."
+                )
+            owner = replaced_by(p)
+            if owner is not None:
+                if _covers(owner, subtree):
+                    take(owner, m, attr)
+                else:
+                    plan.pending.append((owner, m, attr))
+                continue
+            entry = new.get(id(p))
+            if entry is None:
+                new[id(p)] = (p, [(m, attr)])
+                plan.order.append(("new", p))
+                plan.names[id(p)] = name
+            else:
+                entry[1].append((m, attr))
+        for child_name, child in m._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{child_name}.", False)
+
+    for i, m in enumerate(modules):
+        visit(m, f"[{i}]." if len(modules) > 1 else "", True)
+    for state in plan.nested:
+        for tie in state.pending_ties:
+            owner, m, attr = tie
+            if _covers(owner, subtree) and id(m) in subtree:
+                take(owner, m, attr)
+                plan.resolved.append((state, tie))
+            else:
+                plan.pending.append(tie)
+    plan.new = [new[id(p)] for kind, p in plan.order if kind == "new"]
+    return plan
+
+
+def _covers(owner: FSDPParam, subtree: set[int]) -> bool:
+    """Whether every module of ``owner``'s current call lies in ``subtree``."""
+    return all(id(m) in subtree for m in owner.group.modules)
+
+
+def _install(plan: _Plan, built: dict, modules) -> list[FSDPParam]:
+    """Register the shards, move tied parameters in, and return the group's parameters."""
+    label = ", ".join(type(m).__name__ for m in modules)
+    params = []
+    for kind, item in plan.order:
+        if kind == "new":
+            fp = built[id(item)]
+            fp.claim(label)
+        else:
+            fp, locations = plan.taken[id(item)]
+            fp.group.params.remove(fp)
+            fp.locations.extend(locations)
+        fp.to_sharded()
+        for m, attr in fp.locations:
+            add_location(m, attr, fp)
+        params.append(fp)
+    for state, tie in plan.resolved:
+        state.pending_ties.remove(tie)
+    return params
+
+
+# --------------------------------------------------------------------------------- validation
 def _as_modules(module) -> tuple[nn.Module, ...]:
     mods = tuple(module) if isinstance(module, (list, tuple)) else (module,)
     if not mods:
@@ -371,19 +269,14 @@ def _as_modules(module) -> tuple[nn.Module, ...]:
 
 def _default_mesh() -> DeviceMesh:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    if dist.is_initialized():
-        world = dist.get_world_size()
-    else:
+    if not dist.is_initialized():
         from device_mesh._groups import ensure_default_group
 
         ensure_default_group(device_type)
-        world = dist.get_world_size()
-    return init_device_mesh(device_type, (world,))
+    return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
-def _mesh_info(mesh) -> MeshInfo:
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"{_API}: mesh must be a DeviceMesh, got {type(mesh).__name__}.")
+def _mesh_info(mesh: DeviceMesh) -> MeshInfo:
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"{_API}: mesh must be 1-D (FSDP) or 2-D (HSDP: replicate, shard), got a "
@@ -426,10 +319,9 @@ def _compute_device(mesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def _post_forward_mesh(reshard_after_forward, mesh, info: MeshInfo) -> PostForwardMesh | None:
-    value = reshard_after_forward
+def _check_reshard_after_forward(value, info: MeshInfo) -> None:
     if value is None or isinstance(value, bool):
-        return None
+        return
     if not isinstance(value, int):
         raise TypeError(
             f"{_API}: reshard_after_forward must be a bool, an int or None, got {value!r}."
@@ -441,22 +333,13 @@ def _post_forward_mesh(reshard_after_forward, mesh, info: MeshInfo) -> PostForwa
             f"{_API}: reshard_after_forward={value} must divide the shard group size {ws} "
             f"(valid: {divisors}; True behaves like {ws}, False like 1)."
         )
-    if value in (1, ws):
+
+
+def _post_forward_mesh(value, mesh, info: MeshInfo) -> PostForwardMesh | None:
+    if value is None or isinstance(value, bool) or value in (1, info.shard_size):
         return None
     ranks = mesh.ranks_along(info.shard_mesh_dim)
     return PostForwardMesh(ranks, info.shard_rank, value, backend_for(mesh.device_type))
-
-
-def _check_policies(mp_policy, offload_policy) -> None:
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
-            f"{_API}: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}."
-        )
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(
-            f"{_API}: offload_policy must be an OffloadPolicy (or CPUOffloadPolicy), got "
-            f"{type(offload_policy).__name__}."
-        )
 
 
 def _ignored_ids(ignored_params) -> set[int]:
@@ -470,54 +353,10 @@ def _ignored_ids(ignored_params) -> set[int]:
     return ids
 
 
-def _collect_params(modules, ignored: set[int]):
-    """``[(param, [(module, name), ...], owner FSDPParam | None)]`` in registration order.
-
-    Submodules already passed to fully_shard are skipped, with one exception: a parameter
-    tied to one an inner call took (the same original ``nn.Parameter`` still registered
-    here) is taken over by this, outer, call, whose group covers every use.
-    """
-    entries: dict[int, list] = {}
-    visited: set[int] = set()
-    names: dict[int, str] = {}
-
-    def visit(m: nn.Module, prefix: str, top: bool) -> None:
-        if id(m) in visited or (not top and "_fsdp_state" in m.__dict__):
-            return
-        visited.add(id(m))
-        for attr, p in m._parameters.items():
-            if p is None or id(p) in ignored:
-                continue
-            if isinstance(p, DTensor):
-                raise NotImplementedError(
-                    f"{_API}: parameter {prefix}{attr} is already a DTensor "
-                    f"({p.placements}); composing fully_shard with tensor parallelism is not "
-                    "supported yet."
-                )
-            owner = _MANAGED_ORIGINALS.get(id(p))
-            if owner is not None and owner.original is not p:
-                owner = None
-            entry = entries.get(id(p))
-            if entry is None:
-                entries[id(p)] = [p, [(m, attr)], owner]
-                names[id(p)] = prefix + attr
-            else:
-                entry[1].append((m, attr))
-        for child_name, child in m._modules.items():
-            if child is not None:
-                visit(child, f"{prefix}{child_name}.", False)
-
-    for i, m in enumerate(modules):
-        visit(m, f"[{i}]." if len(modules) > 1 else "", True)
-    return [tuple(entry) for entry in entries.values()], names
-
-
-def _check_params(entries, names: dict[int, str], device: torch.device) -> None:
+def _check_params(plan: _Plan, device: torch.device) -> None:
     devices: dict[str, list[str]] = {}
-    for p, _locs, owner in entries:
-        if owner is not None:
-            continue
-        name = names[id(p)]
+    for p, _locations in plan.new:
+        name = plan.names[id(p)]
         if p.ndim == 0:
             raise ValueError(
                 f"{_API}: parameter {name!r} is 0-d (a scalar) and cannot be sharded. Make it "
@@ -540,29 +379,28 @@ def _check_params(entries, names: dict[int, str], device: torch.device) -> None:
             )
 
 
-def _take_over(owner: FSDPParam, locations, info: MeshInfo) -> FSDPParam:
-    """Move a tied parameter from an inner group into this one (which covers all its uses)."""
-    if owner.mesh_info != info:
-        raise ValueError(
-            f"{_API}: parameter {owner.fqn!r} is tied across two fully_shard calls with "
-            "different meshes; pass the same mesh to both."
-        )
-    old = owner.group
-    if old.initialized:
-        raise ValueError(
-            f"{_API}: parameter {owner.fqn!r} is tied to a module that has already run "
-            "forward; apply fully_shard to every module before the first forward."
-        )
-    old.params.remove(owner)
-    owner.locations.extend(locations)
-    owner.to_sharded()
-    return owner
+def _check_take_overs(plan: _Plan, info: MeshInfo) -> None:
+    """A tied parameter moves into this call's group only if both groups use one mesh and
+    the old group has not run yet ([Note: tied parameters])."""
+    for owner, locations in plan.taken.values():
+        user = f"{type(locations[0][0]).__name__}.{locations[0][1]}"
+        if owner.mesh_info != info:
+            raise ValueError(
+                f"{_API}: parameter {owner.fqn!r} is tied to {user} across two fully_shard "
+                "calls with different meshes; pass the same mesh to both."
+            )
+        if owner.group.initialized:
+            raise ValueError(
+                f"{_API}: parameter {owner.fqn!r} is tied to {user}, but its module has "
+                "already run forward; apply fully_shard to every module before the first "
+                "forward."
+            )
 
 
 def _shard_dim(fn, p: nn.Parameter, name: str) -> int:
     if fn is None:
         return 0
-    placement = fn(p)
+    placement = from_torch_placement(fn(p))
     if placement is None:
         return 0
     if not isinstance(placement, Shard):

@@ -112,14 +112,23 @@ def test_int_reshard_regathers_within_smaller_group():
 # ------------------------------------------------------------------------------ controls
 def _unshard_reshard():
     model = _sharded()
-    handle = model.blocks[0].unshard(async_op=True)
+    block = model.blocks[0]
+    fp = block.attn.qkv._fsdp_locations["weight"]
+    handle = block.unshard(async_op=True)
     handle.wait()
-    w = model.blocks[0].attn.qkv.weight
-    assert not isinstance(w, DTensor) and w.shape == (90, 30)
-    model.blocks[0].reshard()
-    assert isinstance(model.blocks[0].attn.qkv.weight, DTensor)
+    # gathered and kept for the next forward, while the module still shows its shards
+    assert fp.is_unsharded_allocated and fp.unsharded_param.shape == (90, 30)
+    assert isinstance(block.attn.qkv.weight, DTensor)
+    assert all(isinstance(v, DTensor) for v in model.state_dict().values())
+    block.reshard()
+    assert not fp.is_unsharded_allocated
     model.unshard()
-    assert not isinstance(model.tok_emb.weight, DTensor)
+    for b in model.blocks:
+        b.unshard()
+    x, _ = _batch()
+    with CommDebugMode() as comm:
+        model(x)  # every group was gathered already: forward issues no all-gather
+    assert comm.get_comm_counts().get("all_gather", 0) == 0, comm
     model.reshard()
     assert isinstance(model.tok_emb.weight, DTensor)
 
@@ -166,7 +175,9 @@ def _keep_unsharded():
     model.set_reshard_after_backward(False)
     x, y = _batch()
     gpt_loss(model, x, y).backward()
-    assert not isinstance(model.blocks[1].mlp.fc.weight, DTensor)
+    fc = model.blocks[1].mlp.fc
+    assert isinstance(fc.weight, DTensor)  # the module shows its shard between steps ...
+    assert fc._fsdp_locations["weight"].is_unsharded_allocated  # ... and keeps the memory
     with CommDebugMode() as comm:
         gpt_loss(model, x, y).backward()
     assert comm.get_comm_counts() == {"reduce_scatter": 3}  # nothing re-gathered
@@ -286,9 +297,13 @@ def _errors():
     lin = nn.Linear(4, 4)
     fully_shard(lin)
     _raises(ValueError, "already passed to fully_shard", lambda: fully_shard(lin))
-    # a mesh whose ranks differ from the process group: our DeviceMesh refuses to exist
-    _raises(ValueError, rf"world size is {ws}", lambda: DeviceMesh("cpu", [0, 1]))
-    _raises(TypeError, "mesh must be a DeviceMesh", lambda: fully_shard(nn.Linear(2, 2), mesh="dp"))
+    # a mesh with more ranks than the world refuses to exist
+    _raises(ValueError, rf"world size is {ws}", lambda: DeviceMesh("cpu", list(range(ws + 1))))
+    _raises(
+        TypeError,
+        r"mesh must be a device_mesh\.DeviceMesh.*got builtins\.str",
+        lambda: fully_shard(nn.Linear(2, 2), mesh="dp"),
+    )
     # a 0-d parameter
     m = nn.Linear(3, 3)
     m.scale = nn.Parameter(torch.tensor(1.0))
@@ -323,12 +338,15 @@ def _errors():
     )
     # deepcopy of a sharded module
     _raises(RuntimeError, "deepcopy of a fully_shard module", lambda: copy.deepcopy(model))
-    # tied weight split across sibling groups with no common fully_shard call
+    # a tied weight whose other use no fully_shard call covers (the root is head itself, so
+    # its forward cannot see the embedding): the optimizer step refuses the stale original
     torch.manual_seed(0)
     tied = GPT(_cfg(tie_weights=True))
     fully_shard(tied.head)
-    x, _ = _batch()
-    _raises(ValueError, "'weight' is tied to the Embedding.weight parameter", lambda: tied(x))
+    opt = torch.optim.SGD(tied.parameters(), lr=0.1)
+    x, y = _batch()
+    gpt_loss(tied, x, y).backward()
+    _raises(RuntimeError, r"SGD.step: 1 of the optimizer's parameters \('weight'\)", opt.step)
 
 
 def test_errors_are_clear_and_raised_on_every_rank():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fsdp2 import _host_memory
-from fsdp2._collectives import NO_POOL, BufferPool
+from fsdp2._collectives import BufferPool
 from fsdp2._host_memory import HostRegion
 from tests.harness import run_on_ranks
 from tests.test_fsdp_parity import _on_route, _parity
@@ -100,11 +100,20 @@ def test_region_tensor_is_huge_page_aligned_and_bounded():
         region.tensor(torch.float32, (1 << 20,))
 
 
-def test_empty_keeps_small_or_device_buffers_on_torch():
-    small = _host_memory.empty((10,), torch.float32, "cpu")
-    assert small.shape == (10,)
+def test_allocate_maps_only_large_cpu_buffers():
+    small, small_region = _host_memory.allocate((10,), torch.float32, "cpu")
+    assert small_region is None and small.shape == (10,)
     assert not _host_memory.wants_mapping(_host_memory.MIN_BYTES - 1, torch.device("cpu"))
     assert not _host_memory.wants_mapping(1 << 30, torch.device("meta"))
+    n = _host_memory.MIN_BYTES // 4
+    large, region = _host_memory.allocate((n,), torch.float32, "cpu")
+    if _host_memory.huge_pages_available():
+        # its own mapping, starting on a huge page, exactly as large as asked
+        assert region is not None and region.nbytes == n * 4
+        assert large.data_ptr() == region.tensor(torch.uint8, (1,)).data_ptr()
+        assert large.data_ptr() % _host_memory.HUGE_PAGE == 0
+    else:
+        assert region is None
 
 
 def test_pool_reuses_for_a_slightly_wider_request_and_stays_bounded():
@@ -118,8 +127,9 @@ def test_pool_reuses_for_a_slightly_wider_request_and_stays_bounded():
     assert len(pool._free) == 1
     tiny = pool.get((8,), torch.float32, "cpu")  # far smaller: not served by the big one
     assert tiny.data_ptr() != a.data_ptr()
-    NO_POOL.put(tiny)
-    assert not NO_POOL._free
+    no_pool = BufferPool(keep=0)
+    no_pool.put(tiny)
+    assert not no_pool._free
 
 
 # ----------------------------------------------------------------------- training in mappings
@@ -149,17 +159,18 @@ def test_training_in_mappings_matches_single_process(kw):
 
 def _regions_dropped_after_step():
     from fsdp2 import fully_shard
+    from fsdp2._storage import MappedStorage
     from tests.test_fsdp_parity import _batches, _build, _cfg, _train
 
     model = _build(_cfg(), fully_shard)
-    moves = _host_memory.PAGES.moves
     _train(model, _batches(2, steps=1), local=True)
-    assert _host_memory.PAGES.moves > moves  # later blocks took earlier blocks' pages
+    pages = model._fsdp.ctx.comm.pages  # the root's own page bank
+    assert pages.moves > 0  # later blocks took earlier blocks' pages
     states = {id(s): s for m in model.modules() if (s := m.__dict__.get("_fsdp_state"))}
     params = [p for s in states.values() if s.group is not None for p in s.group.params]
-    assert params and all(p._region is not None for p in params)
-    assert not any(p._region.resident for p in params)  # resharded: pages returned
-    assert not _host_memory.PAGES._held  # and none held back after backward
+    assert params and all(isinstance(p.storage, MappedStorage) for p in params)
+    assert not any(p.storage.region.resident for p in params)  # resharded: pages returned
+    assert not pages._held  # and none held back after backward
 
 
 def _regions_on_direct_route():
