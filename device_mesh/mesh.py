@@ -63,7 +63,7 @@ class DeviceMesh:
     def _init_root(self, device_type, backend, mesh_tensor, names) -> None:
         self._init(device_type, backend, mesh_tensor, names)
         self._root: DeviceMesh = self
-        self._root_dims: tuple[int, ...] = tuple(range(mesh_tensor.ndim))
+        self._dims: tuple[tuple[int, ...], ...] = tuple((d,) for d in range(mesh_tensor.ndim))
         self._flattened: dict[str, DeviceMesh] = {}
         self._origin = ("root", device_type, mesh_tensor.tolist(), names)
 
@@ -149,16 +149,22 @@ class DeviceMesh:
         return out
 
     @classmethod
-    def _view(cls, root: DeviceMesh, mesh_tensor, names, root_dims, dim_groups) -> DeviceMesh:
-        """A sub-mesh of ``root`` sharing its groups (no group is created)."""
+    def _view(cls, root: DeviceMesh, mesh_tensor, names, dims, dim_groups) -> DeviceMesh:
+        """A sub-mesh of ``root`` sharing its groups (no group is created). ``dims[i]`` are
+        the root dims mesh dim ``i`` spans (several for a flattened dim)."""
         sub = cls.__new__(cls)
         sub._init(root._device_type, root._backend, mesh_tensor, names)
         sub._root = root
-        sub._root_dims = root_dims
+        sub._dims = tuple(dims)
         sub._flattened = {}
         sub._dim_groups = list(dim_groups)
         sub._origin = ("slice", root, names)
         return sub
+
+    @property
+    def _root_dims(self) -> tuple[int, ...]:
+        """Every root dim this mesh spans, in order."""
+        return tuple(d for dims in self._dims for d in dims)
 
     # ----------------------------------------------------------------------------- queries
     @property
@@ -260,32 +266,43 @@ class DeviceMesh:
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
         """Sub-mesh over the named mesh dims (in mesh order); no process group is created.
 
+        Names may mix this mesh's dims and dims flattened from its root (``_flatten``), as
+        recipes do for HSDP over a flattened shard dim.
+
         Example:
-            >>> mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "cp", "tp"))
-            >>> mesh["dp", "tp"].shape
+            >>> mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp", "fs", "cp"))
+            >>> mesh["fs", "cp"]._flatten("fs_cp")
+            >>> mesh["dp", "fs_cp"].shape
             (2, 2)
         """
         wanted = (names,) if isinstance(names, str) else tuple(names)
         if len(wanted) == 1 and wanted[0] in self._root._flattened:
-            return self._root._flattened[wanted[0]]
-        dims = self._resolve_slice(wanted)
-        if dims == tuple(range(self.ndim)):
+            if self._dim_names is None or wanted[0] not in self._dim_names:
+                return self._root._flattened[wanted[0]]
+        parts = self._resolve_slice(wanted)
+        if [dims for dims, _ in parts] == list(self._dims):
             return self
         if self._coordinate is None:
             raise RuntimeError(
                 f"DeviceMesh.__getitem__: rank {self._rank} is not in {self!r}, so it has no "
                 "slice of it. Slice the mesh only on its member ranks."
             )
-        index = [slice(None) if d in dims else c for d, c in enumerate(self._coordinate)]
+        root = self._root
+        selected = [d for dims, _ in parts for d in dims]
+        others = [d for d in range(root.ndim) if d not in selected]
+        coord = root.get_coordinate()
+        ranks = root._mesh.permute(*others, *selected)[tuple(coord[d] for d in others)]
+        shape = [math.prod(root.shape[d] for d in dims) for dims, _ in parts]
         return DeviceMesh._view(
-            self._root,
-            self._mesh[tuple(index)],
-            tuple(self._dim_names[d] for d in dims),
-            tuple(self._root_dims[d] for d in dims),
-            [self._dim_groups[d] for d in dims],
+            root,
+            ranks.reshape(shape),
+            wanted,
+            [dims for dims, _ in parts],
+            [group for _, group in parts],
         )
 
-    def _resolve_slice(self, wanted: tuple) -> tuple[int, ...]:
+    def _resolve_slice(self, wanted: tuple) -> list[tuple[tuple[int, ...], object]]:
+        """``(root dims, process group)`` for every wanted name, validated."""
         api = "DeviceMesh.__getitem__"
         if self._dim_names is None:
             raise RuntimeError(
@@ -297,9 +314,14 @@ class DeviceMesh:
                 f"{api}: mesh dim names must be one or more str, got {wanted!r}. "
                 f"Valid names: {self._dim_names}."
             )
-        unknown = [n for n in wanted if n not in self._dim_names]
+        flats = {
+            name: flat
+            for name, flat in self._root._flattened.items()
+            if set(flat._flat_of) <= set(self._root_dims)
+        }
+        unknown = [n for n in wanted if n not in self._dim_names and n not in flats]
         if unknown:
-            valid = list(self._dim_names) + sorted(self._root._flattened)
+            valid = list(self._dim_names) + sorted(flats)
             raise ValueError(f"{api}: unknown mesh dim name(s) {unknown!r}. Valid names: {valid}.")
         repeated = sorted({n for n in wanted if wanted.count(n) > 1})
         if repeated:
@@ -307,14 +329,22 @@ class DeviceMesh:
                 f"{api}: mesh dim name(s) {repeated!r} repeated in {wanted!r}. "
                 "Name each mesh dim once."
             )
-        dims = tuple(self._dim_names.index(n) for n in wanted)
-        if list(dims) != sorted(dims):
+        parts = []
+        for n in wanted:
+            if n in self._dim_names:
+                d = self._dim_names.index(n)
+                parts.append((self._dims[d], self._dim_groups[d]))
+            else:
+                parts.append((flats[n]._flat_of, flats[n]._dim_groups[0]))
+        selected = [d for dims, _ in parts for d in dims]
+        if selected != sorted(set(selected)):
             in_order = tuple(n for n in self._dim_names if n in wanted)
+            hint = f" Use mesh[{in_order!r}] instead." if len(in_order) == len(wanted) else ""
             raise ValueError(
-                f"{api}: mesh dim names must be in mesh order {self._dim_names}, got "
-                f"{wanted!r}. Use mesh[{in_order!r}] instead."
+                f"{api}: mesh dim names must be in mesh order {self._dim_names} and cover "
+                f"each dim once, got {wanted!r}.{hint}"
             )
-        return dims
+        return parts
 
     def flatten(self, name: str | None = None) -> DeviceMesh:
         """A 1-D mesh over all ranks of this mesh, row-major; its groups are created once.
@@ -387,9 +417,9 @@ class DeviceMesh:
             if self._rank in row:
                 mine = group
         flat_ranks = self._mesh.reshape(-1)
-        flat = DeviceMesh._view(root, flat_ranks, None if name is None else (name,), (), [mine])
+        flat = DeviceMesh._view(root, flat_ranks, None if name is None else (name,), [()], [mine])
         flat._root = flat
-        flat._root_dims = (0,)
+        flat._dims = ((0,),)
         flat._flat_of = self._root_dims
         flat._origin = ("flat", self, name)
         # Slicing the root by the flat name must find this mesh.
@@ -469,7 +499,12 @@ def _describe(mesh: DeviceMesh) -> tuple:
         return mesh._origin
     if kind == "slice":
         _, root, names = mesh._origin
-        return ("slice", _describe(root), names)
+        flats = tuple(
+            (n, root._flattened[n]._flat_of)
+            for n in names
+            if n in root._flattened and (root._dim_names is None or n not in root._dim_names)
+        )
+        return ("slice", _describe(root), names, flats)
     _, source, name = mesh._origin
     return ("flat", _describe(source), name)
 
@@ -488,8 +523,13 @@ def _rebuild_mesh(description: tuple) -> DeviceMesh:
             mesh._dim_groups = [mesh._cached_dim_group(d) for d in range(mesh.ndim)]
             return mesh
         if kind == "slice":
-            _, root, names = description
-            return _rebuild_mesh(root)[names]
+            _, root_description, names, flats = description
+            root = _rebuild_mesh(root_description)
+            for name, dims in flats:
+                if name not in root._flattened:
+                    source = root[tuple(root._dim_names[d] for d in dims)]
+                    root._flattened[name] = source._build_flat(name, create=False)
+            return root[names]
         _, source, name = description
         source = _rebuild_mesh(source)
         if name is not None and name in source._root._flattened:

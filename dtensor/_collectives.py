@@ -326,7 +326,11 @@ def broadcast(t: torch.Tensor, mesh, mesh_dim: int, src_local_rank: int) -> torc
 
 
 def _prepare_reduce(local: torch.Tensor, partial: Partial, k: int):
-    """Buffer, ReduceOp and post-processing for reducing ``partial`` values over ``k`` ranks."""
+    """Buffer, ReduceOp and post-processing for reducing ``partial`` values over ``k`` ranks.
+    Booleans (``any``/``all`` partials) travel as bytes: not every backend reduces bools."""
+    if local.dtype == torch.bool:
+        x, op, finish = _prepare_reduce(local.to(torch.uint8), partial, k)
+        return x, op, lambda y: finish(y).to(torch.bool)
     x = local.contiguous().clone()
     if isinstance(partial, NormPartial):
         p = partial.norm_type

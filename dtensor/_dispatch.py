@@ -21,7 +21,10 @@ import logging
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from dtensor import _ops  # noqa: F401  (registers the rules)
+from dtensor import (
+    _inplace,
+    _ops,  # noqa: F401  (registers the rules)
+)
 from dtensor._ops._common import OpSchema, OutputSharding, find_rule
 from dtensor._spec import DTensorSpec, TensorMeta
 from dtensor.placement import Replicate, format_placements
@@ -50,6 +53,9 @@ def dispatch(func, args, kwargs):
     handler = CUSTOM.get(func)
     if handler is not None:
         return handler(func, args, kwargs)
+    view = _inplace.out_of_place_view(func)
+    if view is not None:
+        return _inplace.change_shape_in_place(func, view, args, kwargs)
     leaves, treespec = _flatten(args, kwargs)
     _check_inputs(func, leaves)
     if not func.__name__.startswith("_foreach_"):
@@ -93,13 +99,19 @@ def _unflatten(leaves: list, treespec) -> tuple[tuple, dict]:
 
 
 def _replicate_scalars(func, leaves: list) -> list:
-    """One-element plain tensors mixed with DTensors become replicated DTensors (their value
-    is the same everywhere), so every rule sees specs only. An in-place target must already
-    be a DTensor: writing into a wrapped copy would silently lose the result."""
+    """One-element plain tensors mixed with DTensors (and index tensors of index ops) become
+    replicated DTensors (their value is the same everywhere), so every rule sees specs only.
+    An in-place target must already be a DTensor: writing into a wrapped copy would silently
+    lose the result."""
     mesh = None
     out = leaves
+    any_size = func in _inplace.INDEX_OPS
     for i, x in enumerate(leaves):
-        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+        if (
+            isinstance(x, torch.Tensor)
+            and not isinstance(x, DTensor)
+            and (any_size or x.numel() == 1)
+        ):
             if mesh is None:
                 mesh = next((y.device_mesh for y in leaves if isinstance(y, DTensor)), None)
                 if mesh is None:
@@ -121,17 +133,30 @@ def _replicate_scalars(func, leaves: list) -> list:
 
 
 def _run_without_rule(func, leaves, treespec):
-    """An op with no rule: computed locally when every input is replicated, else refused."""
+    """An op with no rule: computed locally when every input is replicated; an in-place or
+    ``out=`` op on full tensors, each written shard keeping its block
+    ([Note: writes through gathered views]); anything else refused."""
     dtensors = [x for x in leaves if isinstance(x, DTensor)]
     replicated = all(x._spec.is_replicated() for x in dtensors)
-    if not replicated or torch.Tag.nondeterministic_seeded in func.tags:
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        raise NotImplementedError(_no_rule_message(func, leaves))
+    args, kwargs = _unflatten(leaves, treespec)
+    written = _inplace.written_dtensors(func, args, kwargs)
+    if written and not replicated:
+        return _inplace.run_writing_op_on_full(
+            func, args, kwargs, leaves, lambda flat: _unflatten(flat, treespec)
+        )
+    if not replicated:
         raise NotImplementedError(_no_rule_message(func, leaves))
     local_leaves = [x._local() if isinstance(x, DTensor) else x for x in leaves]
     local_args, local_kwargs = _unflatten(local_leaves, treespec)
     out = func(*local_args, **local_kwargs)
-    if _is_inplace(func):
-        args, _ = _unflatten(leaves, treespec)
-        return args[0] if func._schema.returns else None
+    for t in written:
+        _inplace.write_back(t)
+    if written:
+        if not func._schema.returns:
+            return None
+        return written[0] if len(written) == 1 else tuple(written)
     mesh = dtensors[0].device_mesh
     placements = (Replicate(),) * mesh.ndim
 
@@ -181,8 +206,15 @@ def _run(func, args, leaves, treespec, sharding: OutputSharding, out_meta):
     local_args, local_kwargs = _unflatten(local_leaves, treespec)
     out = (sharding.local_fn or func)(*local_args, **local_kwargs)
     if inplace:
-        return args[0] if func._schema.returns else None
-    return _wrap(out, sharding, out_meta, leaves)
+        target = args[0]
+        if getattr(target, "_view_of", None) is not None:
+            _inplace.write_back(target)
+        return target if func._schema.returns else None
+    wrapped = _wrap(out, sharding, out_meta, leaves)
+    if isinstance(leaves[0], DTensor) and _inplace.is_view_op(func):
+        outs = list(wrapped) if isinstance(wrapped, (list, tuple)) else [wrapped]
+        _inplace.record_view(func, args, _unflatten(leaves, treespec)[1], leaves[0], outs)
+    return wrapped
 
 
 def _wrap(out, sharding: OutputSharding, out_meta, leaves):
@@ -244,9 +276,12 @@ def _writes_first_argument(func) -> bool:
 
 def _check_inputs(func, leaves) -> None:
     meshes = []
+    indices_ok = func in _inplace.INDEX_OPS
     for x in leaves:
         if isinstance(x, DTensor):
             meshes.append(x.device_mesh)
+        elif indices_ok:
+            continue  # index tensors: taken as replicas (see dtensor/_inplace.py)
         elif isinstance(x, torch.Tensor) and x.numel() != 1 and x.device.type != "meta":
             # ValueError, not TypeError: operator wrappers (a + b) turn a TypeError into
             # NotImplemented and the message would be lost.

@@ -56,6 +56,7 @@ class DTensor(torch.Tensor):
         r._local_tensor = local_tensor
         r._spec = spec
         r._pending = None
+        r._view_of = None  # see [Note: writes through gathered views] in _inplace.py
         return r
 
     # torch functions go straight to aten; sharding happens in __torch_dispatch__

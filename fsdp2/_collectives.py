@@ -42,6 +42,7 @@ from dtensor._collectives import (
     sum_into,
 )
 from fsdp2 import _host_memory
+from fsdp2._param import internal
 
 _HUGE_PAGE = _host_memory.HUGE_PAGE
 _HEADROOM = 64 << 10  # room for a slightly wider request (gradient rows carry a few flags)
@@ -116,7 +117,7 @@ def exchanges_blocks(group, device, nbytes: int, n_params: int) -> bool:
 def _versions_preserved(params):
     """Writes into the unsharded parameters inside this block leave their version counters
     alone: autograd checks them on saved tensors, and a refill is not a modification."""
-    with contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack, internal():
         for p in params:
             stack.enter_context(torch.autograd._unsafe_preserve_version_counter(p.unsharded_param))
         yield

@@ -367,6 +367,6 @@ def swap_class(module: nn.Module) -> None:
     cls = module.__class__
     new_cls = _CLASS_CACHE.get(cls)
     if new_cls is None:
-        new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"_fsdp_orig_class": cls})
         _CLASS_CACHE[cls] = new_cls
     module.__class__ = new_cls

@@ -71,6 +71,39 @@ class MeshInfo:
         return (Replicate(), Shard(shard_dim))
 
 
+class CheckedParameter(nn.Parameter):
+    """Check mode (``FSDP2_CHECK_FREED=1``): an unsharded parameter that refuses every torch
+    operation while its memory is freed, so a tensor kept from forward and read after
+    resharding raises instead of reading freed memory (see ``_storage.py``). Autograd's own
+    reads of saved tensors in backward bypass Python and are unaffected.
+
+    Example:
+        >>> kept = block.attn.qkv.weight          # kept from inside forward
+        >>> kept.sum()                            # after the block resharded
+        RuntimeError: ... read after fully_shard freed it ...
+    """
+
+    _fsdp_owner: FSDPParam
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, CheckedParameter) and not a._fsdp_owner.is_unsharded_allocated:
+                raise RuntimeError(
+                    f"{func.__name__}: the unsharded parameter {a._fsdp_owner.fqn!r} was read "
+                    "after fully_shard freed it (a tensor kept from inside forward and used "
+                    "after its module resharded). Read it inside forward, or call "
+                    "full_tensor() on the sharded parameter."
+                )
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+
+
+def internal():
+    """Runtime code touching unsharded parameters bypasses ``CheckedParameter``'s check."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
 def replaced_by(param: nn.Parameter) -> FSDPParam | None:
     """The ``FSDPParam`` that replaced ``param`` ([Note: replaced parameters]), if any."""
     return getattr(param, "_fsdp_replaced_by", None)
@@ -230,7 +263,12 @@ class FSDPParam:
         full = self.storage.tensor[: self.rows]
         if self.shard_dim:
             full = full.movedim(0, self.shard_dim)
-        self.unsharded_param = nn.Parameter(full, requires_grad=self.requires_grad)
+        if comm.check_freed:
+            param = CheckedParameter(full, requires_grad=self.requires_grad)
+            param._fsdp_owner = self
+        else:
+            param = nn.Parameter(full, requires_grad=self.requires_grad)
+        self.unsharded_param = param
         self._unsharded_key = key
 
     def unsharded_rank_blocks(self) -> torch.Tensor:
@@ -277,10 +315,11 @@ class FSDPParam:
     def accumulate_unsharded_grad(self, dtype: torch.dtype) -> None:
         """No-sync backward: move the new unsharded gradient into ``accumulated_grad`` in
         ``dtype`` (the reduce dtype), so micro-batches add in that precision."""
-        grad = self.unsharded_param.grad if self.unsharded_param is not None else None
-        if grad is None:
-            return
-        self.unsharded_param.grad = None
+        with internal():
+            grad = self.unsharded_param.grad if self.unsharded_param is not None else None
+            if grad is None:
+                return
+            self.unsharded_param.grad = None
         if self.accumulated_grad is None:
             self.accumulated_grad = grad.to(dtype)
         else:
@@ -291,8 +330,9 @@ class FSDPParam:
         no-sync backwards accumulated."""
         grad = None
         if self.unsharded_param is not None:
-            grad = self.unsharded_param.grad
-            self.unsharded_param.grad = None
+            with internal():
+                grad = self.unsharded_param.grad
+                self.unsharded_param.grad = None
         acc, self.accumulated_grad = self.accumulated_grad, None
         if acc is None:
             return grad
@@ -303,7 +343,8 @@ class FSDPParam:
     def drop_unsharded_grads(self) -> None:
         """Forget unreduced gradients (recovery after an exception)."""
         if self.unsharded_param is not None:
-            self.unsharded_param.grad = None
+            with internal():
+                self.unsharded_param.grad = None
         self.accumulated_grad = None
 
     def shard_grad_from_row(self, row: torch.Tensor) -> torch.Tensor:

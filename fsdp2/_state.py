@@ -11,18 +11,21 @@ forward
     parameters again, when it keeps the memory) and hooks the outputs so that the first
     gradient to reach them is the block's *pre-backward*.
 backward
-    pre-backward: re-gather (or wait for the prefetched gather), register the unsharded
-    parameters, prefetch the block that ran before this one. post-backward: take the
+    pre-backward: re-gather (or wait for the prefetched gather), prefetch the block that ran
+    before this one. post-backward: take the
     unsharded gradients, reshard, issue the reduction without waiting. A final callback,
     queued by the first pre-backward, runs the post-backward of groups whose inputs carried
     no gradient (the root), reshards what is left and waits for every reduction, installing
     the sharded ``.grad``.
 
-Outside forward and backward every module registers its sharded parameters, whatever memory
-is kept, so ``state_dict()`` and ``named_parameters()`` always see the sharded DTensors.
+Modules register their unsharded parameters only while a forward runs (autograd holds what
+backward needs); at any other time they register the sharded ones, whatever memory is kept,
+so ``state_dict()``, ``named_parameters()`` and an optimizer built mid-training see the
+sharded DTensors, also after an exception.
 
 Activation checkpointing re-runs a block's forward inside backward; the hooks see the
-``PRE_BACKWARD`` state and leave the (already unsharded) parameters alone.
+``PRE_BACKWARD`` state, register the (already gathered) parameters for the recomputation and
+the shards again after it.
 
 [Note: recovery] An exception inside forward or backward leaves an iteration half done. The
 post-forward hook also runs when forward raises (``always_call``) and marks the iteration
@@ -43,7 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fsdp2._comm_context import CommContext
 from fsdp2._param import replaced_by
-from fsdp2._param_group import FSDPParamGroup
+from fsdp2._param_group import FSDPParamGroup, ShardedState
 
 logger = logging.getLogger(__name__)
 
@@ -170,8 +173,10 @@ class FSDPState:
                 f"every module below it."
             )
         states = self.subtree_states()
-        _check_pending_ties(states)
-        _check_tied_leftovers(self.modules, states)
+        paths = _module_paths(self.modules)
+        _name_params(states, paths)
+        _check_pending_ties(states, paths)
+        _check_tied_leftovers(self.modules)
         groups = [s.group for s in states if s.group is not None and s.group.params]
         device = groups[0].device if groups else torch.device("cpu")
         ctx = IterationContext(self, states, CommContext(device))
@@ -185,7 +190,6 @@ class FSDPState:
                 s.group.check_offload()
                 s.group.comm = ctx.comm
         _share_buffer_pool(groups, ctx.comm)
-        _name_params(self.modules)
         logger.debug("fully_shard root %r manages %d groups", self, len(states))
 
     def subtree_states(self) -> list[FSDPState]:
@@ -208,9 +212,21 @@ class FSDPState:
         root.lazy_init()
 
     # ----------------------------------------------------------------------- forward
+    def _recomputing(self) -> bool:
+        """Whether this forward is an activation-checkpoint recomputation: the module is in
+        backward and the autograd engine is running (a ``PRE_BACKWARD`` state outside any
+        backward is left over from a backward that raised, [Note: recovery])."""
+        return (
+            self.training_state is TrainingState.PRE_BACKWARD
+            and torch._C._current_graph_task_id() != -1
+        )
+
     def _pre_forward_hook(self, module, args, kwargs):
-        if self.training_state is TrainingState.PRE_BACKWARD:
-            return None  # activation-checkpoint recomputation: parameters already unsharded
+        if self._recomputing():
+            # activation-checkpoint recomputation: pre-backward already gathered them
+            if self.group is not None and self.group.state is ShardedState.UNSHARDED:
+                self.group.register_unsharded()
+            return None
         self.lazy_init()
         ctx = self.ctx
         if self.is_root and (ctx.aborted or (self._depth == 0 and ctx.needs_reset())):
@@ -237,7 +253,9 @@ class FSDPState:
         return args, kwargs
 
     def _post_forward_hook(self, module, args, output):
-        if self.training_state is TrainingState.PRE_BACKWARD:
+        if self._recomputing():
+            if self.group is not None:
+                self.group.register_sharded()  # end of a recomputation
             return None
         self._post_ran += 1
         self._depth -= 1
@@ -267,7 +285,10 @@ class FSDPState:
         """Runs after every forward, also one that raised ([Note: recovery])."""
         if self._post_ran:
             self._post_ran -= 1  # the normal post-forward hook ran: nothing to do
-        elif self.ctx is not None and self.training_state is TrainingState.FORWARD:
+            return None
+        if self.group is not None:
+            self.group.register_sharded()  # parameters() shows the shards at once
+        if self.ctx is not None and self.training_state is TrainingState.FORWARD:
             self.ctx.aborted = True
         return None
 
@@ -297,7 +318,6 @@ class FSDPState:
         if group is not None and group.unshard_in_backward:
             group.unshard()
             group.wait_for_unshard()
-            group.register_unsharded()
         self._prefetch(self._backward_targets(), backward=True)
 
     def post_backward_from_inputs(self) -> None:
@@ -409,36 +429,51 @@ def _share_buffer_pool(groups: list[FSDPParamGroup], comm: CommContext) -> None:
         g.pool = comm.pool if counts[g.buffer_key()] > 1 else comm.no_pool
 
 
-def _name_params(roots) -> None:
+def _module_paths(roots) -> dict[int, str]:
+    """``{id(module): its path under the root}`` (the root itself: its class name)."""
+    paths: dict[int, str] = {}
+    for i, top in enumerate(roots):
+        prefix = f"[{i}]." if len(roots) > 1 else ""
+        for name, m in top.named_modules(remove_duplicate=False):
+            paths.setdefault(id(m), prefix + name)
+    return paths
+
+
+def module_label(m, paths: dict[int, str] | None = None) -> str:
+    """A module's path under the root when known, else its original class name."""
+    if paths and paths.get(id(m)):
+        return repr(paths[id(m)])
+    cls = type(m)
+    return getattr(cls, "_fsdp_orig_class", cls).__name__
+
+
+def _name_params(states, paths: dict[int, str]) -> None:
     """Give each managed parameter its path under the root, for error messages."""
-    for top in roots:
-        for mod_name, m in top.named_modules(remove_duplicate=False):
-            state = m.__dict__.get("_fsdp_state")
-            if state is None or state.group is None:
-                continue
-            for p in state.group.params:
-                for loc_mod, attr in p.locations:
-                    if loc_mod is m:
-                        p.fqn = f"{mod_name}.{attr}" if mod_name else attr
+    for state in states:
+        for p in state.group.params if state.group is not None else ():
+            module, attr = p.locations[0]
+            path = paths.get(id(module))
+            if path is not None:
+                p.fqn = f"{path}.{attr}" if path else attr
 
 
-def _check_pending_ties(states) -> None:
+def _check_pending_ties(states, paths: dict[int, str]) -> None:
     """A parameter tied across two sibling fully_shard calls needs a call that contains
     both (it then moves to that call's group); none came before the first forward."""
     for s in states:
         for owner, module, attr in s.pending_ties:
-            first = type(owner.locations[0][0]).__name__
+            first_module, first_attr = owner.locations[0]
             raise ValueError(
-                f"fully_shard: parameter {owner.fqn!r} ({first}.{owner.locations[0][1]}) is "
-                f"tied to {type(module).__name__}.{attr}, and the two are sharded by separate "
-                f"fully_shard calls ({type(owner.group.modules[0]).__name__} and "
-                f"{type(s.modules[0]).__name__}) with no call containing both. Call "
-                "fully_shard on a module that contains both uses (for example the root "
+                f"fully_shard: parameter {module_label(first_module, paths)}.{first_attr} is "
+                f"tied to {module_label(module, paths)}.{attr}, and the two are sharded by "
+                f"separate fully_shard calls (on {module_label(owner.group.modules[0], paths)} "
+                f"and on {module_label(s.modules[0], paths)}) with no call containing both. "
+                "Call fully_shard on a module that contains both uses (for example the root "
                 "model) after them; the shared parameter then moves to that group."
             )
 
 
-def _check_tied_leftovers(roots, states) -> None:
+def _check_tied_leftovers(roots) -> None:
     """A replaced parameter still registered in a module below the root means a tie that no
     fully_shard call covered: the two would drift apart. Found by walking the module tree
     (``fully_shard`` marks every parameter it replaced, see [Note: replaced parameters])."""

@@ -141,7 +141,7 @@ class _Plan:
     ``new``: ``(param, locations)`` to shard; ``taken``: ``{id(FSDPParam): (it, new
     locations)}`` tied parameters moved in from inner calls; ``pending``: ties for an
     enclosing call to resolve; ``nested``: fully_shard states directly below;
-    ``resolved``: pending ties of nested states this call resolves.
+    ``moved_up``: pending ties of nested states, now this call's (resolved or pending).
     """
 
     order: list = field(default_factory=list)
@@ -149,7 +149,7 @@ class _Plan:
     taken: dict = field(default_factory=dict)
     pending: list = field(default_factory=list)
     nested: list = field(default_factory=list)
-    resolved: list = field(default_factory=list)
+    moved_up: list = field(default_factory=list)
     names: dict = field(default_factory=dict)
 
 
@@ -211,14 +211,14 @@ def _collect_params(modules, ignored: set[int]) -> _Plan:
 
     for i, m in enumerate(modules):
         visit(m, f"[{i}]." if len(modules) > 1 else "", True)
-    for state in plan.nested:
+    for state in plan.nested:  # ties inner calls could not resolve come up to this one
         for tie in state.pending_ties:
             owner, m, attr = tie
             if _covers(owner, subtree) and id(m) in subtree:
                 take(owner, m, attr)
-                plan.resolved.append((state, tie))
             else:
                 plan.pending.append(tie)
+            plan.moved_up.append((state, tie))
     plan.new = [new[id(p)] for kind, p in plan.order if kind == "new"]
     return plan
 
@@ -244,7 +244,7 @@ def _install(plan: _Plan, built: dict, modules) -> list[FSDPParam]:
         for m, attr in fp.locations:
             add_location(m, attr, fp)
         params.append(fp)
-    for state, tie in plan.resolved:
+    for state, tie in plan.moved_up:
         state.pending_ties.remove(tie)
     return params
 

@@ -143,10 +143,61 @@ def _check_errors():
     dy = distribute_tensor(torch.randn(4, 3), other, [Replicate(), Shard(0)])
     with pytest.raises(ValueError, match="all DTensor inputs must be on one mesh"):
         dx + dy
+    # an op with no rule names itself and the placements; its meta kernel is never reached
+    ints = distribute_tensor(torch.tensor([3, 1, 3, 2, 1]), mesh, [Shard(0)])
+    with pytest.raises(
+        NotImplementedError, match=r"no sharding rule for aten\._unique2.*\(5,\) \(S\(0\)\)"
+    ):
+        torch.unique(ints)
+    # replicated inputs need no rule: every rank computes the same answer
+    rep = ints.redistribute(placements=[Replicate()])
+    u = torch.unique(rep)
+    assert isinstance(u, DTensor) and u.placements == (Replicate(),)
+    assert torch.equal(u.to_local(), torch.tensor([1, 2, 3]))
+    # a plain in-place target with DTensor operands would lose the result
+    with pytest.raises(ValueError, match="in-place target is a plain torch.Tensor"):
+        torch.zeros(1).add_(dx.sum())
 
 
 def test_unsupported_and_mixed_inputs_fail_clearly():
     run_on_ranks(2, _check_errors)
+
+
+def _check_one_element_tensors_and_in_place_views():
+    mesh = init_device_mesh("cpu", (3,))
+    table = torch.randn(7, 4)
+    for placements in ([Shard(0)], [Shard(1)], [Replicate()]):
+        dt = distribute_tensor(table, mesh, placements)
+        idx = torch.tensor([5])  # a one-element index is a replicated index, not a scalar
+        _close(F.embedding(idx, dt), F.embedding(idx, table))
+        _close(F.embedding(torch.tensor(2), dt), F.embedding(torch.tensor(2), table))
+    # writes through views that had to gather their base reach the shards
+    for placements in ([Shard(0)], [Shard(1)]):
+        ref = table.clone()
+        dt = distribute_tensor(table, mesh, placements)
+        dt[2].zero_()  # one rank's row (Shard(0)); every rank's piece of it (Shard(1))
+        ref[2].zero_()
+        dt[4:6, 1].fill_(7.0)
+        ref[4:6, 1].fill_(7.0)
+        dt.t()[3].mul_(2)  # a view of a view
+        ref.t()[3].mul_(2)
+        _close(dt, ref, tol=0)
+        # in-place ops that change the shape keep the wrapper and the shards consistent
+        t = distribute_tensor(table.clone(), mesh, placements)
+        t.t_()
+        assert t.shape == (4, 7) and t.to_local().dim() == 2
+        _close(t, table.t(), tol=0)
+        # an in-place op with no rule (index_put_) runs on the full tensor
+        u = distribute_tensor(table.clone(), mesh, placements)
+        rows, cols = torch.tensor([0, 6, 3]), torch.tensor([1, 1, 2])
+        u[rows, cols] = -1.0
+        want = table.clone()
+        want[rows, cols] = -1.0
+        _close(u, want, tol=0)
+
+
+def test_one_element_indices_and_writes_through_views():
+    run_on_ranks(3, _check_one_element_tensors_and_in_place_views)
 
 
 def _check_meta_to_device_keeps_no_global_tensor():

@@ -72,7 +72,7 @@ def _grads(params):
         ((p * p).sum() * (i + 1) + p.sum()).backward()
 
 
-def _check_clip(norm_type, mixed):
+def _check_clip(norm_type, mixed, foreach):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     norm_type = float(norm_type)
     for case in ("1d", "2d") + (("mixed",) if mixed else ()):
@@ -93,16 +93,18 @@ def _check_clip(norm_type, mixed):
         if case == "mixed":
             total = dtensor.clip_grad_norm_(ours, 1.0, norm_type)
         else:
-            total = torch.nn.utils.clip_grad_norm_(ours, 1.0, norm_type)
+            # (1,) over 4 ranks: three ranks hold an empty shard, whose norm must count as 0
+            total = torch.nn.utils.clip_grad_norm_(ours, 1.0, norm_type, foreach=foreach)
             total = total.full_tensor()
         torch.testing.assert_close(total, ref, rtol=1e-5, atol=1e-6)
         for p, q in zip(plain, ours):
             torch.testing.assert_close(q.grad.full_tensor(), p.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("foreach", [True, False])
 @pytest.mark.parametrize("norm_type", [2.0, "inf"])
-def test_clip_grad_norm_matches_plain_on_1d_2d_and_mixed_meshes(norm_type):
-    run_on_ranks(4, _check_clip, norm_type=float(norm_type), mixed=True)
+def test_clip_grad_norm_matches_plain_on_1d_2d_and_mixed_meshes(norm_type, foreach):
+    run_on_ranks(4, _check_clip, norm_type=float(norm_type), mixed=True, foreach=foreach)
 
 
 def _check_autograd():
@@ -118,16 +120,15 @@ def _check_autograd():
     (full * weight).sum().backward()
     assert dt.grad.placements == (Shard(0),)
     torch.testing.assert_close(dt.grad.full_tensor(), full.grad)
-    # from_local / to_local: the local gradient is the local slice of the global one
+    # from_local / to_local: the local gradient is the local slice of the global one, on every
+    # rank (7 rows over 3 ranks: 3, 3, 1)
     local = dt.to_local().detach().requires_grad_(True)
     wrapped = DTensor.from_local(local, mesh, [Shard(0)], shape=(7, 5))
     (wrapped.full_tensor() * weight).sum().backward()
-    rows = (
-        torch.arange(7).chunk(dist.get_world_size())[dist.get_rank()]
-        if dist.get_rank() < len(torch.arange(7).chunk(dist.get_world_size()))
-        else []
-    )
-    torch.testing.assert_close(local.grad, weight[rows] if len(rows) else local.grad)
+    pieces = torch.arange(7).chunk(dist.get_world_size())
+    rows = pieces[dist.get_rank()] if dist.get_rank() < len(pieces) else torch.arange(0)
+    assert local.grad.shape == (len(rows), 5)
+    torch.testing.assert_close(local.grad, weight[rows])
     # to_local of a partial gradient layout
     x = distribute_tensor(torch.randn(4, 3), mesh, [Replicate()])
     x.requires_grad_(True)

@@ -370,3 +370,59 @@ def _hsdp():
 @pytest.mark.parametrize("route", ROUTES)
 def test_hsdp_2d_mesh(route):
     run_on_ranks(4, _on_route, route=route, target=_hsdp)
+
+
+# ------------------------------------------------------------------------------- zero elements
+class _EmptyParams(torch.nn.Module):
+    """Parameters with no elements: a Linear with no outputs, a (4, 0) matrix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(5, 6)
+        self.none = torch.nn.Linear(6, 0)
+        self.flat = torch.nn.Parameter(torch.zeros(4, 0))
+        self.out = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inner(x))
+        h = torch.cat([h, self.none(h)], -1)
+        return self.out(h) + self.flat.sum()
+
+
+def _zero_element_params(all_empty_group: bool):
+    """Empty parameters in a group with others, or in a group of their own, against one
+    process. (torch 2.13's FSDP2 cannot be the oracle: its reduce-scatter copy-in raises
+    "_chunk_cat expects non-empty tensor" for any zero-element gradient, on either layout.)"""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    models = []
+    for shard in (None, fully_shard):
+        torch.manual_seed(0)
+        m = _EmptyParams()
+        if shard is not None:
+            shard(m.inner)
+            if all_empty_group:
+                shard(m.none)
+            shard(m)
+        models.append((m, torch.optim.AdamW(m.parameters(), lr=1e-2)))
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(2 * ws, 5, generator=g)
+        for i, (m, opt) in enumerate(models):
+            xs = x if i == 0 else x[2 * rank : 2 * rank + 2]
+            scale = 1.0 if i == 0 else 1.0 / ws
+            (m(xs).square().sum() * scale).backward()
+            opt.step()
+            opt.zero_grad()
+    ref, ours = models[0][0], models[1][0]
+    for (name, p), r in zip(ours.named_parameters(), ref.parameters(), strict=True):
+        assert p.shape == r.shape and isinstance(p, DTensor), name
+        assert p.grad is None  # zero_grad() set them to None, as on one process
+        torch.testing.assert_close(p.full_tensor(), r.detach(), rtol=1e-5, atol=2e-6, msg=name)
+
+
+@pytest.mark.parametrize("all_empty_group", [False, True], ids=["mixed-group", "empty-group"])
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("ws", [2, 3])
+def test_zero_element_parameters_train(ws, route, all_empty_group):
+    kw = {"all_empty_group": all_empty_group}
+    run_on_ranks(ws, _on_route, route=route, target=_zero_element_params, **kw)

@@ -27,8 +27,8 @@ def _cfg(**kw) -> GPTConfig:
     return GPTConfig(**base)
 
 
-def _sharded(cfg=None, **kw):
-    torch.manual_seed(0)
+def _sharded(cfg=None, seed=0, **kw):
+    torch.manual_seed(seed)
     model = GPT(cfg or _cfg())
     for block in model.blocks:
         fully_shard(block, **kw)

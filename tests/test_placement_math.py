@@ -86,13 +86,20 @@ def test_plans():
     assert _kinds((R,), (S0,)) == ["slice"]
     assert _kinds((S0,), (S1,)) == ["all_to_all"]
     assert _kinds((R,), (P,)) == ["to_partial"]
-    assert _kinds((S0, S0), (R, R)) == ["all_gather", "all_gather"]
-    assert [s.mesh_dim for s in plan_redistribute((S0, S0), (R, R))] == [1, 0]
-    # swapping the nesting order must gather both, then re-shard outermost first
+    # swapping which mesh dim shards which tensor dim: each mesh dim is gathered, then each
+    # re-sharded by a local slice (tensor dim 0's target shard first)
     steps = plan_redistribute((S0, S1), (S1, S0))
-    assert sorted(s.kind for s in steps) == ["all_gather", "all_gather", "slice", "slice"] or [
-        s.kind for s in steps
-    ] == ["all_to_all", "all_to_all"]
+    assert [(s.kind, s.mesh_dim, s.dst) for s in steps] == [
+        ("all_gather", 0, R),
+        ("all_gather", 1, R),
+        ("slice", 1, S0),
+        ("slice", 0, S1),
+    ]
+    # nested shards of one tensor dim are gathered innermost first
+    assert [(s.kind, s.mesh_dim) for s in plan_redistribute((S0, S0), (R, R))] == [
+        ("all_gather", 1),
+        ("all_gather", 0),
+    ]
     assert _kinds((S0, P), (S0, R)) == ["all_reduce"]
     assert _kinds((S0, S1), (S0, S1)) == []
 

@@ -53,13 +53,20 @@ def _reduce_placements(
     return tuple(out), tuple(need)
 
 
-def _with_identity(func, identity):
-    """Run ``func`` locally; an empty reduced input yields ``identity`` of the right shape."""
+def _with_identity(func, identity, reduced: set[int], keepdim: bool, dtype=None):
+    """Run ``func`` locally; an empty local input yields ``identity`` in the output's shape.
+
+    The shape follows from the reduced dims, not from running ``func`` (on meta or not):
+    max, min and the inf-norm have no identity, so their kernels refuse empty inputs.
+    """
 
     def local(x, *args, **kwargs):
         if x.numel() == 0:
-            meta = func(torch.empty(x.shape, dtype=x.dtype, device="meta"), *args, **kwargs)
-            return torch.full(meta.shape, identity, dtype=meta.dtype, device=x.device)
+            shape = [1 if d in reduced else s for d, s in enumerate(x.shape)]
+            if not keepdim:
+                shape = [s for d, s in enumerate(shape) if d not in reduced]
+            out_dtype = kwargs.get("dtype") or dtype or x.dtype
+            return torch.full(shape, identity, dtype=out_dtype, device=x.device)
         return func(x, *args, **kwargs)
 
     return local
@@ -114,9 +121,8 @@ def max_min_rule(schema: OpSchema) -> OutputSharding:
     if not spec.meta.dtype.is_floating_point:
         info = torch.iinfo(spec.meta.dtype)
         identity = info.min if kind == "max" else info.max
-    return OutputSharding(
-        [out], {schema.leaf_index(spec): need}, _with_identity(schema.func, identity)
-    )
+    local_fn = _with_identity(schema.func, identity, reduced, a["keepdim"])
+    return OutputSharding([out], {schema.leaf_index(spec): need}, local_fn)
 
 
 @register(aten.linalg_vector_norm.default)
@@ -136,7 +142,9 @@ def vector_norm_rule(schema: OpSchema) -> OutputSharding:
         partial,
         lambda q: isinstance(q, NormPartial) and full and (q.norm_type == p or spec.ndim == 0),
     )
-    return OutputSharding([out], {schema.leaf_index(spec): need}, _with_identity(schema.func, 0.0))
+    real = spec.meta.dtype.to_real() if spec.meta.dtype.is_complex else spec.meta.dtype
+    local_fn = _with_identity(schema.func, 0.0, reduced, a["keepdim"], a["dtype"] or real)
+    return OutputSharding([out], {schema.leaf_index(spec): need}, local_fn)
 
 
 @register(aten._foreach_norm.Scalar)
@@ -164,3 +172,19 @@ def foreach_norm_rule(schema: OpSchema) -> OutputSharding:
         ]
 
     return OutputSharding(outs, inputs, local_fn, output_meshes=meshes)
+
+
+@register(aten.any.default, aten.any.dim, aten.any.dims, aten.all.default, aten.all.dim)
+def any_all_rule(schema: OpSchema) -> OutputSharding:
+    """``any`` over a sharded dim is the max of the local answers, ``all`` the min."""
+    spec = schema.args[0]
+    is_any = schema.name == "any"
+    if schema.func in (aten.any.default, aten.all.default):
+        a = {"dim": None, "keepdim": False}
+    else:
+        a = _args(schema, [("dim", None), ("keepdim", False)])
+    reduced = _reduced_dims(a["dim"], spec.ndim)
+    partial = Partial("max" if is_any else "min")
+    out, need = _reduce_placements(spec, reduced, a["keepdim"], partial, lambda p: p == partial)
+    local_fn = _with_identity(schema.func, not is_any, reduced, a["keepdim"], torch.bool)
+    return OutputSharding([out], {schema.leaf_index(spec): need}, local_fn)

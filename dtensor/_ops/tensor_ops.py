@@ -1,15 +1,18 @@
-"""Structural ops on whole tensors: stack and cat.
+"""Structural ops on whole tensors: stack and cat, ``new_*`` factories, and ops that need
+the whole tensor (QR).
 
 Stacking and concatenating act elementwise on every input, so any ``Partial`` shared by all
-inputs survives; a shard survives unless it lies on the concatenated dim.
+inputs survives; a shard survives unless it lies on the concatenated dim. ``x.new_empty(size)``
+and its siblings follow ``x``'s placements when ``size`` is ``x``'s shape (a like-shaped
+buffer stays sharded) and are replicated otherwise.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dtensor._ops._common import OpSchema, OutputSharding, register
-from dtensor.placement import Partial, Replicate, Shard
+from dtensor._ops._common import OpSchema, OutputSharding, register, replicate_all
+from dtensor.placement import Partial, Replicate, Shard, local_shape_and_offset
 
 aten = torch.ops.aten
 
@@ -45,3 +48,41 @@ def cat_rule(schema: OpSchema) -> OutputSharding:
     dim = (schema.args[1] if len(schema.args) > 1 else schema.kwargs.get("dim", 0)) % ndim
     need = _common(specs, dim)
     return OutputSharding([need], {schema.leaf_index(s): need for s in specs})
+
+
+@register(
+    aten.new_empty.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+    aten.new_empty_strided.default,
+)
+def new_factory_rule(schema: OpSchema) -> OutputSharding:
+    spec = schema.args[0]
+    size = tuple(schema.args[1])
+    same = size == tuple(spec.shape) and not any(isinstance(p, Partial) for p in spec.placements)
+    out = spec.placements if same else (Replicate(),) * spec.mesh.ndim
+    mesh = spec.mesh
+    local_size, _ = local_shape_and_offset(size, mesh.shape, mesh.get_coordinate(), out)
+    func = schema.func
+
+    def local_fn(x, size, *args, **kwargs):
+        if func is aten.new_empty_strided.default:
+            args = (_contiguous_stride(local_size), *args[1:])
+        return func(x, list(local_size), *args, **kwargs)
+
+    return OutputSharding([out], {}, local_fn)
+
+
+def _contiguous_stride(shape) -> list[int]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return list(reversed(stride))
+
+
+@register(aten.linalg_qr.default)
+def whole_tensor_rule(schema: OpSchema) -> OutputSharding:
+    """Factorizations need the whole matrix: gather, factor, replicated results."""
+    return replicate_all(schema)

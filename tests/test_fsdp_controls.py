@@ -1,0 +1,401 @@
+"""The FSDPModule controls and fully_shard options, each against a reference.
+
+Covers what the parity suite does not: ``set_unshard_in_backward(False)``,
+``ignored_params``, list groups' single collective, ``set_reshard_after_forward`` after a
+step, ``unshard(async_op=True)`` followed by forward without ``wait()``,
+``cast_forward_inputs=False`` and a ``reduce_dtype`` below ``param_dtype`` (against torch
+FSDP2), two roots in one process, the production route threshold, the CPU fallbacks without
+huge pages or ``mremap``, HSDP with an int ``reshard_after_forward``, ``Shard(1)`` with a
+divide factor; and that a failing ``fully_shard`` changes nothing, and that the check mode
+for freed parameters turns a stale read into an error.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from device_mesh import _groups, init_device_mesh
+from dtensor import DTensor, Shard
+from dtensor.debug import CommDebugMode
+from examples.gpt import GPT, gpt_loss
+from fsdp2 import FSDPModule, MixedPrecisionPolicy, _host_memory, fully_shard
+from fsdp2 import _collectives as C
+from tests.harness import run_on_ranks
+from tests.test_fsdp_parity import (
+    PER_RANK,
+    _batches,
+    _build,
+    _cfg,
+    _compare,
+    _on_route,
+    _parity,
+    _train,
+)
+
+
+def _local(x, y):
+    rank = dist.get_rank()
+    rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    return x[rows], y[rows]
+
+
+# ----------------------------------------------------------------------------- backward gathers
+def _no_unshard_in_backward():
+    cfg = _cfg()
+    ws = dist.get_world_size()
+    batches = _batches(ws)
+    ref = _build(cfg)
+    ref_losses = _train(ref, batches, local=False)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    torch.manual_seed(0)
+    model.reset_parameters()
+    fully_shard(model.tok_emb)  # an embedding's backward never reads its weight
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    model.tok_emb.set_unshard_in_backward(False)
+    x, y = _local(*batches[0])
+    loss = gpt_loss(model, x, y)
+    with CommDebugMode() as comm:
+        loss.backward()
+    # the two blocks re-gather, the embedding does not; all four groups reduce
+    assert comm.get_comm_counts() == {"all_gather": 2, "reduce_scatter": 4}, comm
+    model.zero_grad(set_to_none=True)
+    losses = _train(model, batches, local=True)
+    _compare(model, ref, losses, ref_losses)
+
+
+def test_set_unshard_in_backward_false_skips_the_gather():
+    run_on_ranks(2, _no_unshard_in_backward)
+
+
+# ----------------------------------------------------------------------------- ignored params
+def _ignored_params():
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    fully_shard(model, ignored_params={model[2].bias})
+    assert not isinstance(model[2].bias, DTensor) and isinstance(model[2].weight, DTensor)
+    x = torch.randn(2 * ws, 4, generator=torch.Generator().manual_seed(2))
+    mine = x[2 * rank : 2 * rank + 2]
+    model(mine).square().sum().backward()
+    # an ignored parameter's gradient is this rank's own, never reduced
+    plain = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    plain.load_state_dict(ref.state_dict())
+    plain(mine).square().sum().backward()
+    torch.testing.assert_close(model[2].bias.grad, plain[2].bias.grad)
+    ref(x).square().sum().div(ws).backward()
+    torch.testing.assert_close(model[2].weight.grad.full_tensor(), ref[2].weight.grad)
+
+
+def test_ignored_params_are_left_alone():
+    run_on_ranks(3, _ignored_params)
+
+
+# ----------------------------------------------------------------------------- list groups
+def _list_group_one_collective():
+    cfg = _cfg()
+    ws = dist.get_world_size()
+    batches = _batches(ws)
+    ref = _build(cfg)
+    ref_losses = _train(ref, batches, local=False)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    torch.manual_seed(0)
+    model.reset_parameters()
+    fully_shard([model.blocks[0], model.blocks[1]])  # one group, two modules
+    fully_shard(model)
+    x, y = _local(*batches[0])
+    with CommDebugMode() as fwd:
+        loss = gpt_loss(model, x, y)
+    with CommDebugMode() as bwd:
+        loss.backward()
+    assert fwd.get_comm_counts() == {"all_gather": 2}, fwd  # root + the pair of blocks
+    assert bwd.get_comm_counts() == {"all_gather": 1, "reduce_scatter": 2}, bwd
+    model.zero_grad(set_to_none=True)
+    losses = _train(model, batches, local=True)
+    _compare(model, ref, losses, ref_losses)
+
+
+def test_fully_shard_on_a_list_gathers_once():
+    run_on_ranks(2, _list_group_one_collective)
+
+
+# ----------------------------------------------------------------------------- changed mid-run
+def _reshard_after_forward_changed_after_a_step():
+    cfg = _cfg()
+    ws = dist.get_world_size()
+    batches = _batches(ws)
+    ref = _build(cfg)
+    ref_losses = _train(ref, batches, local=False)
+    model = _build(cfg, fully_shard)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    losses = []
+    for step, (x, y) in enumerate(batches):
+        if step == 1:
+            model.set_reshard_after_forward(False)  # every group, the root included
+        if step == 2:
+            for block in model.blocks:
+                block.set_reshard_after_forward(True, recurse=False)
+        x, y = _local(x, y)
+        loss = gpt_loss(model, x, y)
+        with CommDebugMode() as bwd:
+            loss.backward()
+        gathers = bwd.get_comm_counts().get("all_gather", 0)
+        assert gathers == (0 if step == 1 else 2), (step, bwd)
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / ws)
+    _compare(model, ref, losses, ref_losses)
+
+
+def test_set_reshard_after_forward_after_the_first_step():
+    run_on_ranks(2, _reshard_after_forward_changed_after_a_step)
+
+
+def _async_unshard_without_wait():
+    cfg = _cfg()
+    ws = dist.get_world_size()
+    batches = _batches(ws)
+    ref = _build(cfg)
+    ref_losses = _train(ref, batches, local=False)
+    model = _build(cfg, fully_shard)
+    handles = [model.unshard(async_op=True)] + [b.unshard(async_op=True) for b in model.blocks]
+    x, y = _local(*batches[0])
+    with CommDebugMode() as comm:
+        gpt_loss(model, x, y)  # forward waits for the gathers in flight itself
+    assert comm.get_comm_counts().get("all_gather", 0) == 0, comm
+    for h in handles:
+        h.wait()  # afterwards a no-op
+    model.reset_iter_state()  # drop that forward (its backward never ran)
+    losses = _train(model, batches, local=True)
+    _compare(model, ref, losses, ref_losses)
+
+
+def test_unshard_async_then_forward_without_wait():
+    run_on_ranks(3, _async_unshard_without_wait)
+
+
+# ----------------------------------------------------------------------------- dtypes vs torch
+def _policies_match_torch(ours_policy, torch_policy, rtol, atol):
+    cfg = _cfg()
+    ws = dist.get_world_size()
+    batches = _batches(ws)
+    ours = _build(cfg, fully_shard, mp_policy=ours_policy)
+    theirs = _build(cfg, torch_fully_shard, mp_policy=torch_policy)
+    losses = _train(ours, batches, local=True)
+    their_losses = _train(theirs, batches, local=True)
+    _compare(ours, theirs, losses, their_losses, rtol=rtol, atol=atol)
+
+
+def _no_input_cast():
+    kw = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    _policies_match_torch(MixedPrecisionPolicy(**kw), TorchMP(**kw), 0.0, 0.0)
+
+
+def _low_reduce_dtype():
+    kw = dict(param_dtype=torch.float32, reduce_dtype=torch.bfloat16)
+    # both reduce in bf16; one bf16 rounding of the reduced gradient may differ (~4e-3)
+    _policies_match_torch(MixedPrecisionPolicy(**kw), TorchMP(**kw), 1.6e-2, 1e-3)
+
+
+def test_cast_forward_inputs_false_matches_torch():
+    run_on_ranks(2, _no_input_cast)
+
+
+def test_reduce_dtype_below_param_dtype_matches_torch():
+    run_on_ranks(2, _low_reduce_dtype)
+
+
+# ----------------------------------------------------------------------------- two roots
+def _two_roots():
+    cfg_a, cfg_b = _cfg(), _cfg(dim=24, n_heads=2)
+    ws = dist.get_world_size()
+    batches = _batches(ws)
+    refs = [_build(cfg_a), _build(cfg_b)]
+    ref_losses = [_train(r, batches, local=False) for r in refs]
+    a, b = _build(cfg_a, fully_shard), _build(cfg_b, fully_shard)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for m in (a, b)]
+    losses = [[], []]
+    for x, y in batches:  # interleaved, step by step
+        x, y = _local(x, y)
+        for i, (m, opt) in enumerate(zip((a, b), opts, strict=True)):
+            loss = gpt_loss(m, x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses[i].append(total.item() / ws)
+    ca, cb = a._fsdp.ctx.comm, b._fsdp.ctx.comm
+    assert ca is not cb and ca.pool is not cb.pool and ca.pages is not cb.pages
+    assert ca.streams is not cb.streams
+    for m, ref, ls, rl in zip((a, b), refs, losses, ref_losses, strict=True):
+        _compare(m, ref, ls, rl)
+
+
+def test_two_independent_roots_in_one_process():
+    run_on_ranks(2, _two_roots)
+
+
+# ----------------------------------------------------------------------------- routes
+def _production_threshold():
+    # 512-wide blocks: their parameters average 1.5 MB (point to point); the root's 67-row
+    # embeddings and head stay far below the threshold (staged)
+    cfg = _cfg(dim=512, n_heads=8)
+    model = _build(cfg, fully_shard)
+    routes = {}
+    for m in (model, *model.blocks):
+        g = m._fsdp.group
+        nbytes = sum(p.padded_numel for p in g.params) * g.mesh_info.shard_size * 4
+        routes[type(m).__name__] = C.exchanges_blocks(
+            g.mesh_info.shard_group, g.device, nbytes, len(g.params)
+        )
+    assert routes == {"FSDPGPT": False, "FSDPBlock": True}, routes
+    ws = dist.get_world_size()
+    batches = _batches(ws, steps=2)
+    ref = _build(cfg)
+    ref_losses = _train(ref, batches, local=False)
+    theirs = _build(cfg, torch_fully_shard)
+    their_losses = _train(theirs, batches, local=True)
+    losses = _train(model, batches, local=True)
+    # two ranks: the same arithmetic as torch FSDP2, to the bit. (Against one process, at
+    # this width AdamW turns the rounding of a few near-zero gradients into steps of ~lr.)
+    _compare(model, theirs, losses, their_losses, exact=True)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+
+
+def test_production_route_threshold_mixes_routes():
+    run_on_ranks(2, _production_threshold)
+
+
+def _without(what: str):
+    saved = {
+        "huge_pages": ("huge_pages_available", lambda: False),
+        "mremap": ("_mremap", lambda: None),
+    }[what]
+    name, replacement = saved
+    original = getattr(_host_memory, name)
+    wants = _host_memory.wants_mapping
+    setattr(_host_memory, name, replacement)
+    if what == "mremap":  # mappings on (small test parameters), page moves refused
+        _host_memory.wants_mapping = lambda nbytes, device: torch.device(device).type == "cpu"
+    try:
+        _on_route("direct", functools.partial(_parity, oracle=False))
+    finally:
+        setattr(_host_memory, name, original)
+        _host_memory.wants_mapping = wants
+
+
+@pytest.mark.parametrize("what", ["huge_pages", "mremap"])
+def test_fallbacks_without_huge_pages_or_mremap(what):
+    run_on_ranks(3, _without, what=what)
+
+
+# ----------------------------------------------------------------------------- HSDP, Shard(1)
+def _hsdp_int_reshard():
+    mesh = init_device_mesh("cpu", (1, 4), mesh_dim_names=("replicate", "shard"))
+    _parity(shard_kw={"mesh": mesh, "reshard_after_forward": 2}, oracle=False)
+
+
+def test_hsdp_with_int_reshard_after_forward():
+    run_on_ranks(4, _on_route, route="staged", target=_hsdp_int_reshard)
+
+
+def _shard1_divide_factor():
+    cfg = _cfg()
+    ws = dist.get_world_size()
+    x, y = _local(*_batches(ws, steps=1)[0])
+    ref = _build(cfg, fully_shard)
+    ours = _build(cfg, fully_shard, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
+    ours.set_gradient_divide_factor(1.5)
+    gpt_loss(ref, x, y).backward()
+    gpt_loss(ours, x, y).backward()
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters(), strict=True):
+        if p.ndim == 2:
+            assert p.placements == (Shard(1),), name
+        # divided by 1.5 instead of the world size
+        torch.testing.assert_close(
+            p.grad.full_tensor(), q.grad.full_tensor() * ws / 1.5, rtol=1e-5, atol=1e-6
+        )
+
+
+def test_shard1_with_a_divide_factor():
+    run_on_ranks(3, _shard1_divide_factor)
+
+
+# ----------------------------------------------------------------------------- atomic calls
+def _untouched(module: nn.Module) -> None:
+    assert not isinstance(module, FSDPModule)
+    for name, p in module.named_parameters():
+        assert not isinstance(p, DTensor), name
+
+
+def _failing_calls_change_nothing():
+    from tests.test_fsdp_ties import TieNet
+
+    ws = dist.get_world_size()
+    # a bad parameter after a valid int reshard: the post-forward groups are not created
+    m = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    m.register_parameter("scale", nn.Parameter(torch.tensor(1.0)))
+    groups_before = dict(_groups._GROUP_CACHE)
+    with pytest.raises(ValueError, match="'scale' is 0-d"):
+        fully_shard(m, reshard_after_forward=2)
+    assert _groups._GROUP_CACHE == groups_before
+    _untouched(m)
+    # a tie that cannot move (another mesh), found after other parameters: none converted
+    torch.manual_seed(0)
+    net = TieNet()
+    fully_shard(net.emb)
+    hsdp = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("r", "s"))
+    with pytest.raises(ValueError, match="different meshes"):
+        fully_shard(net, mesh=hsdp)
+    assert not isinstance(net, FSDPModule)
+    assert not isinstance(net.a[0].weight, DTensor) and not isinstance(net.head.weight, DTensor)
+    fully_shard(net)  # the same call on the right mesh then works
+    assert net.head.weight is net.emb.weight and isinstance(net.a[0].weight, DTensor)
+
+
+def test_a_failing_fully_shard_changes_nothing():
+    run_on_ranks(4, _failing_calls_change_nothing)
+
+
+# ----------------------------------------------------------------------------- stale reads
+def _stale_read_in_check_mode(mapped: bool):
+    wants = _host_memory.wants_mapping
+    if mapped:  # the mapping path, where a stale read would otherwise see other data
+        _host_memory.wants_mapping = lambda nbytes, device: torch.device(device).type == "cpu"
+    os.environ["FSDP2_CHECK_FREED"] = "1"
+    try:
+        model = _build(_cfg(), fully_shard)
+        kept = []
+        qkv = model.blocks[0].attn.qkv
+        handle = qkv.register_forward_hook(lambda m, i, o: kept.append(m.weight))
+        x, y = _local(*_batches(dist.get_world_size(), steps=1)[0])
+        gpt_loss(model, x, y).backward()
+        handle.remove()
+        assert model._fsdp.ctx.comm.check_freed
+        assert not isinstance(kept[0], DTensor)  # the unsharded parameter, now freed
+        with pytest.raises(RuntimeError):
+            kept[0].sum()
+    finally:
+        del os.environ["FSDP2_CHECK_FREED"]
+        _host_memory.wants_mapping = wants
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["resize", "mapped"])
+def test_check_mode_makes_reads_of_freed_parameters_fail(mapped):
+    run_on_ranks(2, _on_route, route="direct", target=_stale_read_in_check_mode, mapped=mapped)

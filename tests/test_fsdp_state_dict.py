@@ -1,0 +1,95 @@
+"""state_dict(), load_state_dict() and named_parameters() see the sharded fp32 DTensors in
+every module state: at rest, after unshard(), between forward and backward (the root keeps
+its gathered parameters), after a backward that keeps them (reshard_after_backward=False),
+and from inside a forward. Loading drops any gathered copy, so the next forward computes
+with the loaded values."""
+
+from __future__ import annotations
+
+import torch
+
+from dtensor import DTensor, Shard
+from examples.gpt import gpt_loss
+from fsdp2 import MixedPrecisionPolicy
+from tests.harness import run_on_ranks
+from tests.test_fsdp_runtime import _batch, _sharded
+
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _snapshot(model) -> dict:
+    return {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+
+
+def _check(model, expected: dict, where: str, sd=None) -> None:
+    sd = model.state_dict() if sd is None else sd
+    assert sd.keys() == expected.keys(), where
+    for key, value in sd.items():
+        assert isinstance(value, DTensor), (where, key, type(value))
+        assert value.dtype == torch.float32 and value.placements == (Shard(0),), (where, key)
+        assert torch.equal(value.full_tensor(), expected[key]), (where, key)
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor) and p.dtype == torch.float32, (where, name)
+
+
+def _state_dict_in_every_state():
+    model = _sharded(mp_policy=BF16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    expected = _snapshot(model)
+    _check(model, expected, "at rest")
+    model.unshard()
+    for block in model.blocks:
+        block.unshard(async_op=True).wait()
+    _check(model, expected, "after unshard()")
+    x, y = _batch()
+    loss = gpt_loss(model, x, y)  # the root keeps its bf16 parameters until backward
+    _check(model, expected, "between forward and backward")
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    expected = _snapshot(model)
+    model.set_reshard_after_backward(False)
+    gpt_loss(model, x, y).backward()
+    _check(model, expected, "after a backward that keeps the parameters")
+    seen = []
+    handle = model.blocks[1].register_forward_hook(lambda m, i, o: seen.append(model.state_dict()))
+    model(x)
+    handle.remove()
+    _check(model, expected, "from inside a block's forward", sd=seen[0])
+    model.set_reshard_after_backward(True)
+    opt.zero_grad()
+
+
+def test_state_dict_and_named_parameters_in_every_module_state():
+    run_on_ranks(2, _state_dict_in_every_state)
+
+
+def _load_while_unsharded():
+    x, _ = _batch()
+    src = _sharded(seed=1)
+    model = _sharded()
+    model.unshard()  # gathered copies of the old values ...
+    for block in model.blocks:
+        block.unshard()
+    model.load_state_dict(src.state_dict())  # ... are dropped, not used by the next forward
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), src(x), rtol=0, atol=0)
+    # loading from inside a forward is refused: autograd already saved the old values
+    errors = []
+
+    def load_inside(module, inputs, output):
+        try:
+            model.load_state_dict(src.state_dict())
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    handle = model.blocks[0].register_forward_hook(load_inside)
+    model(x)
+    handle.remove()
+    assert errors and "inside its forward or backward" in errors[0], errors
+    for value in model.state_dict().values():
+        assert value.dtype == torch.float32
+
+
+def test_load_state_dict_drops_gathered_copies():
+    run_on_ranks(2, _load_while_unsharded)
