@@ -112,11 +112,33 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Greedy continuation of ``idx`` (batch, time) by ``max_new_tokens`` tokens."""
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Continue ``idx`` (batch, time) by ``max_new_tokens`` tokens.
+
+        ``temperature=0`` is greedy; otherwise each token is sampled from the softmax of the
+        logits divided by ``temperature``, among the ``top_k`` most likely when given. Pass the
+        same seeded ``generator`` on every rank of a sharded model so all ranks pick alike.
+        """
         for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.cfg.max_seq_len :])
-            idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            logits = self(idx[:, -self.cfg.max_seq_len :])[:, -1].float()  # (B, vocab)
+            if temperature <= 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None and top_k < logits.size(-1):
+                    kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = torch.softmax(logits, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+            idx = torch.cat([idx, nxt], dim=1)
         return idx
 
 

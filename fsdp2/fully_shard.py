@@ -173,7 +173,8 @@ def _collect_params(modules, ignored: set[int]) -> _Plan:
         visited.add(id(m))
         state = m.__dict__.get("_fsdp_state")
         if state is not None and not top:
-            plan.nested.append(state)
+            if all(state is not s for s in plan.nested):  # a list call: met once per module
+                plan.nested.append(state)
             return
         for attr, p in m._parameters.items():
             if p is None or id(p) in ignored:

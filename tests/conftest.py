@@ -21,3 +21,12 @@ def pytest_terminal_summary(terminalreporter):
             f"harness: {s['pool_starts']} worker pool start(s), "
             f"{s['pool_start_seconds']:.1f}s spent starting worlds"
         )
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--layout-seeds",
+        type=int,
+        default=0,
+        help="extra random fully_shard layouts to train (tests/test_fsdp_layouts.py)",
+    )

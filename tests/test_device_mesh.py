@@ -217,3 +217,88 @@ def test_works_under_torchrun(tmp_path):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "rank 0 ok" in out.stdout and "rank 1 ok" in out.stdout
+
+
+# ----------------------------------------------------------------------------- recipe features
+def _check_flatten_slices_and_from_group():
+    import pickle
+
+    names = ("dp_replicate", "dp_shard", "cp")
+    ours = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=names)
+    ref = torch_init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=names)
+    ours["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
+    ref["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
+    for chosen in [("dp_shard_cp",), ("dp_replicate", "dp_shard_cp")]:
+        sub, ref_sub = ours[chosen], ref[chosen]
+        assert torch.equal(sub.mesh, ref_sub.mesh), chosen
+        assert sub.mesh_dim_names == ref_sub.mesh_dim_names
+        assert sub.get_coordinate() == tuple(ref_sub.get_coordinate())
+        for d in range(sub.ndim):
+            assert _group_ranks(sub.get_group(d)) == _group_ranks(ref_sub.get_group(d))
+        back = pickle.loads(pickle.dumps(sub))
+        assert back == sub and [back.get_group(d) for d in range(back.ndim)] == [
+            sub.get_group(d) for d in range(sub.ndim)
+        ]
+    with pytest.raises(ValueError, match="mesh order"):
+        ours["dp_shard_cp", "dp_replicate"]
+    with pytest.raises(ValueError, match="cover each dim once"):
+        ours["dp_shard", "dp_shard_cp"]
+    # from_group: one group gives a 1-D mesh over its ranks; a list needs the global ranks
+    pg = ours.get_group("dp_shard")
+    one = DeviceMesh.from_group(pg, "cpu", mesh_dim_names=("s",))
+    assert one.mesh.tolist() == _group_ranks(pg) and one.get_group() is pg
+    two = DeviceMesh.from_group(
+        [ours.get_group(0), ours.get_group(1)],
+        "cpu",
+        torch.arange(4).view(2, 2),
+        mesh_dim_names=("r", "s"),
+    )
+    assert two.get_coordinate() == ours.get_coordinate()[:2]
+    assert two.get_all_groups() == [ours.get_group(0), ours.get_group(1)]
+    with pytest.raises(ValueError, match="mesh is required with 2 groups"):
+        DeviceMesh.from_group([pg, pg], "cpu")
+    with pytest.raises(ValueError, match="Pass the groups in mesh-dim order"):
+        DeviceMesh.from_group(
+            [ours.get_group(1), ours.get_group(0)], "cpu", torch.arange(4).view(2, 2)
+        )
+
+
+def test_flatten_mixed_slices_and_from_group_match_torch():
+    run_on_ranks(4, _check_flatten_slices_and_from_group)
+
+
+def _check_meshes_over_part_of_the_world():
+    from torch import nn
+
+    from fsdp2 import fully_shard
+
+    rank = dist.get_rank()
+    # every rank builds both stages' meshes (group creation is collective over the world)
+    stages = [DeviceMesh("cpu", [0, 1], mesh_dim_names=("dp",)), DeviceMesh("cpu", [2, 3])]
+    mine, other = stages[rank // 2], stages[1 - rank // 2]
+    assert other.get_coordinate() is None and mine.get_local_rank() == rank % 2
+    with pytest.raises(RuntimeError, match="not in"):
+        other.get_group()
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=mine.get_group())
+    assert t.item() == {0: 1.0, 1: 5.0}[rank // 2]  # summed within the stage only
+    # each stage trains its own model with fully_shard over its own ranks
+    torch.manual_seed(rank // 2)
+    ref = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    model.load_state_dict(ref.state_dict())
+    fully_shard(model, mesh=mine)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(10 + rank // 2))
+    for _ in range(2):
+        ref(x).square().mean().backward()
+        model(x[2 * (rank % 2) : 2 * (rank % 2) + 2]).square().mean().backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_meshes_over_part_of_the_world():
+    run_on_ranks(4, _check_meshes_over_part_of_the_world)

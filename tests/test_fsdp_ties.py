@@ -47,6 +47,7 @@ def _wrap(pattern: str, m: TieNet) -> None:
         "nested": [m.a[0], m.a, m.b[0], m.b],
         "list-groups": [[m.emb, m.head], [m.a, m.b]],
         "mixed": [m.emb, [m.a, m.b[0]], m.head],
+        "into-a-list": [m.a, [m.b, m.head]],
     }[pattern]
     for c in calls:
         fully_shard(c)
@@ -62,6 +63,7 @@ PATTERNS = [
     "nested",
     "list-groups",
     "mixed",
+    "into-a-list",
 ]
 
 

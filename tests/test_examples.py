@@ -1,0 +1,56 @@
+"""The main job, ``examples/train_gpt.py``, as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.run import get_args_parser
+
+from examples import train_gpt
+from examples.gpt import GPT, GPTConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_relaunch_command_parses_under_torchrun():
+    # every option of the script, as the docstring's own command line uses them
+    argv = ["--nproc", "4", "--steps", "100", "--dim", "256", "--bf16", "--log-every", "5"]
+    argv += ["--temperature", "0.7", "--top-k", "10", "--threads", "1", "--seq", "64"]
+    args = train_gpt.parse_args(argv)
+    cmd = train_gpt.torchrun_command(args, argv)
+    parsed = get_args_parser().parse_args(cmd[3:])  # what torchrun itself makes of it
+    assert parsed.nproc_per_node == "4" and parsed.standalone
+    assert "--nproc" not in parsed.training_script_args
+    assert train_gpt.parse_args(parsed.training_script_args).steps == 100
+    assert train_gpt.torchrun_command(args, ["--nproc=3"])[-1].endswith("train_gpt.py")
+
+
+def test_generate_samples_with_temperature_and_top_k():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=40, dim=16, n_layers=1, n_heads=2, max_seq_len=8))
+    prompt = torch.tensor([[1, 2, 3]])
+    greedy = model.generate(prompt, 12)
+    a = model.generate(prompt, 12, temperature=1.0, generator=torch.Generator().manual_seed(5))
+    b = model.generate(prompt, 12, temperature=1.0, generator=torch.Generator().manual_seed(5))
+    k1 = model.generate(prompt, 12, temperature=1.0, top_k=1)
+    assert torch.equal(a, b) and not torch.equal(a, greedy)  # seeded: reproducible
+    assert torch.equal(k1, greedy)  # top-1 sampling is greedy
+    assert int(a.max()) < 40 and a.shape == (1, 15)
+
+
+@pytest.mark.slow
+def test_train_gpt_logs_lines_when_not_on_a_terminal():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--nproc", "2"]
+    cmd += ["--steps", "4", "--dim", "32", "--layers", "1", "--heads", "2", "--seq", "16"]
+    cmd += ["--batch", "2", "--log-every", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["1/4", "3/4", "4/4"], out.stdout
+    assert "sample: 'def " in out.stdout
