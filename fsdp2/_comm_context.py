@@ -29,7 +29,7 @@ from fsdp2._streams import CommStreams
 logger = logging.getLogger(__name__)
 
 # Reductions in flight at once, per device type. On CPU a new reduction first finishes the
-# previous one and reuses its buffers (two in flight cost ~50 MB more at the 4-rank peak,
+# previous one and reuses its buffers (a second one in flight raised peak memory, see
 # docs/fsdp2.md); on GPUs the next block's reduce-scatter overlaps the previous one's.
 MAX_PENDING_REDUCES = {"cpu": 1}
 DEFAULT_MAX_PENDING_REDUCES = 2

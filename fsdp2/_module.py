@@ -11,7 +11,7 @@ import types
 from torch import nn
 
 from fsdp2._param_group import FSDPParamGroup, ShardedState
-from fsdp2._state import FSDPState
+from fsdp2._state import FSDPState, states_below
 
 
 class UnshardHandle:
@@ -47,15 +47,7 @@ class FSDPModule:
         return self.__dict__["_fsdp_state"]
 
     def _states(self, recurse: bool) -> list[FSDPState]:
-        if not recurse:
-            return [self._fsdp]
-        out, seen = [], set()
-        for m in self.modules():
-            s = m.__dict__.get("_fsdp_state")
-            if s is not None and id(s) not in seen:
-                seen.add(id(s))
-                out.append(s)
-        return out
+        return states_below([self]) if recurse else [self._fsdp]
 
     def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
         return [s.group for s in self._states(recurse) if s.group is not None]

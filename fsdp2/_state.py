@@ -194,14 +194,7 @@ class FSDPState:
 
     def subtree_states(self) -> list[FSDPState]:
         """Every fully_shard state at or below this call's modules, outermost first."""
-        seen, states = set(), []
-        for top in self.modules:
-            for m in top.modules():
-                state = m.__dict__.get("_fsdp_state")
-                if state is not None and id(state) not in seen:
-                    seen.add(id(state))
-                    states.append(state)
-        return states
+        return states_below(self.modules)
 
     def init_from_root(self) -> None:
         """Lazy-init through the outermost fully_shard call containing this one (for calls
@@ -408,6 +401,18 @@ class FSDPState:
         for t in targets:
             if t.group is not None and (t.group.unshard_in_backward or not backward):
                 t.group.unshard()
+
+
+def states_below(tops) -> list[FSDPState]:
+    """The fully_shard states of ``tops`` and every module below them, outermost first."""
+    seen, states = set(), []
+    for top in tops:
+        for m in top.modules():
+            state = m.__dict__.get("_fsdp_state")
+            if state is not None and id(state) not in seen:
+                seen.add(id(state))
+                states.append(state)
+    return states
 
 
 def _cast_floats(tree, dtype: torch.dtype):

@@ -9,6 +9,13 @@ parameters, bf16 compute, gradient accumulation with or without sync, and HSDP a
 ranks. Three AdamW steps must match the single-process reference; where torch FSDP2
 supports the layout (no parameter shared between two calls), they must match it too.
 
+Tolerances and learning rate are the parity suite's (fp32: rtol 1e-5, atol 2e-6 at lr 1e-3).
+Even at two ranks the libraries are not bit-identical here: with these odd widths the last
+bits of a gradient depend on where each library keeps its unsharded buffers (kernel paths
+follow alignment), and AdamW turns such rounding on near-zero gradients into steps of up to
+~lr; at lr 1e-2 two of 200 seeds exceeded the tolerance against one process, torch FSDP2 by
+as much as ours.
+
 ``make test`` runs the fixed seeds below; ``pytest tests/test_fsdp_layouts.py
 --layout-seeds 200`` runs 200 more.
 """
@@ -208,7 +215,7 @@ def _train(layout: Layout, net: nn.Module, *, local: bool) -> list[float]:
     from fsdp2 import FSDPModule
 
     rank, ws = dist.get_rank(), dist.get_world_size()
-    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-3)
     g = torch.Generator().manual_seed(1000 + layout.seed)
     losses = []
     for _ in range(3):
