@@ -118,8 +118,8 @@ def test_sibling_ties_need_an_enclosing_call():
 
 
 # ------------------------------------------------------------------------ originals kept alive
-def _no_heap_scan_and_stale_optimizer():
-    from examples.gpt import GPT, GPTConfig, gpt_loss
+def _gpt_with_optimizer_built_first():
+    from examples.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=67, dim=30, n_layers=2, n_heads=3, max_seq_len=3))
@@ -127,6 +127,13 @@ def _no_heap_scan_and_stale_optimizer():
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
+    return model, stale
+
+
+def _no_heap_scan():
+    from examples.gpt import gpt_loss
+
+    model, stale = _gpt_with_optimizer_built_first()  # it keeps every original alive
     saved = gc.get_referrers
 
     def refuse(*objs):
@@ -138,6 +145,18 @@ def _no_heap_scan_and_stale_optimizer():
         gpt_loss(model, x, x).backward()  # lazy init walks the module tree only
     finally:
         gc.get_referrers = saved
+
+
+def test_lazy_init_finds_ties_without_scanning_the_heap():
+    run_on_ranks(2, _no_heap_scan)
+
+
+def _stale_optimizer():
+    from examples.gpt import gpt_loss
+
+    model, stale = _gpt_with_optimizer_built_first()
+    x = torch.randint(0, 67, (2, 3))
+    gpt_loss(model, x, x).backward()
     before = [p.full_tensor().clone() for p in model.parameters()]
     with pytest.raises(
         RuntimeError,
@@ -152,5 +171,5 @@ def _no_heap_scan_and_stale_optimizer():
     assert not all(torch.equal(p.full_tensor(), b) for p, b in zip(model.parameters(), before))
 
 
-def test_optimizer_built_before_fully_shard_is_caught_without_a_heap_scan():
-    run_on_ranks(2, _no_heap_scan_and_stale_optimizer)
+def test_optimizer_built_before_fully_shard_raises_at_step():
+    run_on_ranks(2, _stale_optimizer)
