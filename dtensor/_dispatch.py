@@ -213,7 +213,7 @@ def _run(func, args, leaves, treespec, sharding: OutputSharding, out_meta):
     wrapped = _wrap(out, sharding, out_meta, leaves)
     if isinstance(leaves[0], DTensor) and _inplace.is_view_op(func):
         outs = list(wrapped) if isinstance(wrapped, (list, tuple)) else [wrapped]
-        _inplace.record_view(func, args, _unflatten(leaves, treespec)[1], leaves[0], outs)
+        _inplace.record_view(func, args, lambda: _unflatten(leaves, treespec)[1], leaves[0], outs)
     return wrapped
 
 

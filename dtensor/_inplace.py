@@ -70,16 +70,18 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def record_view(func, args, kwargs, base: DTensor, outputs: list) -> None:
+def record_view(func, args, get_kwargs, base: DTensor, outputs: list) -> None:
     """Link the DTensor ``outputs`` of view op ``func`` to ``base`` when a write into them
-    could not reach ``base`` through shared memory ([Note: writes through gathered views])."""
+    could not reach ``base`` through shared memory ([Note: writes through gathered views]).
+    ``get_kwargs()`` gives the op's keyword arguments (built only when a link is made)."""
     base_local = base._local()
     for j, out in enumerate(outputs):
         if not isinstance(out, DTensor):
             continue
         detached = not _shares_memory(out._local(), base_local)
-        if detached or getattr(base, "_view_of", None) is not None:
-            out._view_of = (base, (func, tuple(args[1:]), dict(kwargs), j, len(outputs)), detached)
+        if detached or base._view_of is not None:
+            how = (func, tuple(args[1:]), dict(get_kwargs()), j, len(outputs))
+            out._view_of = (base, how, detached)
 
 
 def _replay(full: torch.Tensor, how) -> torch.Tensor:

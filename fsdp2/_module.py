@@ -286,7 +286,7 @@ class FSDPModule:
         # .to() / .float() / to_empty(): drop unsharded copies first, so none outlives a
         # change of dtype or device; conversions then act on the registered shards.
         for g in self._groups(True):
-            g.reshard()
+            g.discard_unsharded()
         return super()._apply(fn, *args, **kwargs)
 
     def __deepcopy__(self, memo):

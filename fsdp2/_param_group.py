@@ -255,6 +255,14 @@ class FSDPParamGroup:
             for p in self.params:
                 p.free_unsharded()
 
+    def discard_unsharded(self) -> None:
+        """Drop every gathered copy, the rows kept after forward included (before a load or a
+        change of dtype or device would make them stale)."""
+        self.reshard()
+        if self.state is ShardedState.SHARDED_POST_FORWARD:
+            self._kept_rows = None
+            self.state = ShardedState.SHARDED
+
     def _rows_for_post_forward(self) -> torch.Tensor:
         pf = self.post_forward
         per = self.mesh_info.shard_size // pf.size
@@ -389,7 +397,4 @@ class FSDPParamGroup:
         self._partial_reduce = None
         for p in self.params:
             p.drop_unsharded_grads()
-        self.reshard()
-        self._kept_rows = None
-        if self.state is ShardedState.SHARDED_POST_FORWARD:
-            self.state = ShardedState.SHARDED
+        self.discard_unsharded()

@@ -52,4 +52,4 @@ def _reshard_before_load(module, state_dict, prefix, *args) -> None:
                 f"(parameter {fp.fqn!r} is unsharded for compute). Load weights between "
                 "steps, after backward and the optimizer step."
             )
-        group.reshard()
+        group.discard_unsharded()

@@ -93,3 +93,27 @@ def _load_while_unsharded():
 
 def test_load_state_dict_drops_gathered_copies():
     run_on_ranks(2, _load_while_unsharded)
+
+
+def _load_and_convert_drop_kept_rows():
+    from fsdp2._param_group import ShardedState
+
+    x, y = _batch()
+    src = _sharded(seed=1)
+    model = _sharded(reshard_after_forward=2)
+    gpt_loss(model, x, y)  # every group keeps the rows of 2 ranks for its backward
+    groups = [m._fsdp.group for m in (model, *model.blocks)]
+    assert all(g.state is ShardedState.SHARDED_POST_FORWARD for g in groups)
+    model.load_state_dict(src.state_dict())  # the kept rows hold the old values: dropped
+    assert all(g.state is ShardedState.SHARDED and g._kept_rows is None for g in groups)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), src(x), rtol=0, atol=0)
+    gpt_loss(model, x, y)
+    model.double()  # a dtype change drops them too
+    assert all(g.state is ShardedState.SHARDED for g in groups)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), src.double()(x), rtol=0, atol=0)
+
+
+def test_load_and_dtype_changes_drop_rows_kept_after_forward():
+    run_on_ranks(4, _load_and_convert_drop_kept_rows)
