@@ -399,3 +399,44 @@ def _stale_read_in_check_mode(mapped: bool):
 @pytest.mark.parametrize("mapped", [False, True], ids=["resize", "mapped"])
 def test_check_mode_makes_reads_of_freed_parameters_fail(mapped):
     run_on_ranks(2, _on_route, route="direct", target=_stale_read_in_check_mode, mapped=mapped)
+
+
+# ----------------------------------------------------------------------------- host reads
+def _flags_read_only_when_needed():
+    from tests.test_fsdp_runtime import _Branchy
+
+    reads = []
+    original = torch.Tensor.tolist
+
+    def counting_tolist(self):
+        reads.append(tuple(self.shape))
+        return original(self)
+
+    model = _build(_cfg(), fully_shard)
+    x, y = _local(*_batches(dist.get_world_size(), steps=1)[0])
+    loss = gpt_loss(model, x, y)
+    torch.Tensor.tolist = counting_tolist
+    try:
+        loss.backward()  # every parameter has a gradient on every rank
+    finally:
+        torch.Tensor.tolist = original
+    assert reads == [], reads  # no device-to-host read of the reduced flags (a CUDA sync)
+    torch.manual_seed(0)
+    branchy = _Branchy()
+    fully_shard(branchy.inner)
+    fully_shard(branchy)
+    out = branchy(torch.randn(2, 5), dist.get_rank() == 0)  # `extra` used on rank 0 only
+    torch.Tensor.tolist = counting_tolist
+    try:
+        out.square().sum().backward()
+    finally:
+        torch.Tensor.tolist = original
+    if dist.get_rank() == 0:  # it used `extra`: every flag is known locally
+        assert reads == [], reads
+    else:  # no local gradient for `extra`: the flags say whether another rank had one
+        assert reads, "the rank without a gradient must read the reduced flags"
+    assert branchy.extra.weight.grad is not None  # on every rank: some rank used it
+
+
+def test_gradient_flags_are_read_on_the_host_only_when_needed():
+    run_on_ranks(2, _on_route, route="staged", target=_flags_read_only_when_needed)
