@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from dtensor import DTensor
 from dtensor._spec import DTensorSpec, TensorMeta, contiguous_stride
@@ -88,7 +89,7 @@ class CheckedParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for a in (*args, *kwargs.values()):
+        for a in tree_leaves((args, kwargs)):  # also inside lists: torch.cat([kept, x])
             if isinstance(a, CheckedParameter) and not a._fsdp_owner.is_unsharded_allocated:
                 raise RuntimeError(
                     f"{func.__name__}: the unsharded parameter {a._fsdp_owner.fqn!r} was read "

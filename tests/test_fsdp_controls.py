@@ -41,6 +41,13 @@ from tests.test_fsdp_parity import (
 )
 
 
+def _reference(cfg, steps: int = 4):
+    """The global batches and the single-process reference trained on them."""
+    batches = _batches(dist.get_world_size(), steps=steps)
+    ref = _build(cfg)
+    return batches, ref, _train(ref, batches, local=False)
+
+
 def _local(x, y):
     rank = dist.get_rank()
     rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
@@ -50,10 +57,7 @@ def _local(x, y):
 # ----------------------------------------------------------------------------- backward gathers
 def _no_unshard_in_backward():
     cfg = _cfg()
-    ws = dist.get_world_size()
-    batches = _batches(ws)
-    ref = _build(cfg)
-    ref_losses = _train(ref, batches, local=False)
+    batches, ref, ref_losses = _reference(cfg)
     torch.manual_seed(0)
     model = GPT(cfg)
     torch.manual_seed(0)
@@ -106,10 +110,7 @@ def test_ignored_params_are_left_alone():
 # ----------------------------------------------------------------------------- list groups
 def _list_group_one_collective():
     cfg = _cfg()
-    ws = dist.get_world_size()
-    batches = _batches(ws)
-    ref = _build(cfg)
-    ref_losses = _train(ref, batches, local=False)
+    batches, ref, ref_losses = _reference(cfg)
     torch.manual_seed(0)
     model = GPT(cfg)
     torch.manual_seed(0)
@@ -136,9 +137,7 @@ def test_fully_shard_on_a_list_gathers_once():
 def _reshard_after_forward_changed_after_a_step():
     cfg = _cfg()
     ws = dist.get_world_size()
-    batches = _batches(ws)
-    ref = _build(cfg)
-    ref_losses = _train(ref, batches, local=False)
+    batches, ref, ref_losses = _reference(cfg)
     model = _build(cfg, fully_shard)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     losses = []
@@ -168,10 +167,7 @@ def test_set_reshard_after_forward_after_the_first_step():
 
 def _async_unshard_without_wait():
     cfg = _cfg()
-    ws = dist.get_world_size()
-    batches = _batches(ws)
-    ref = _build(cfg)
-    ref_losses = _train(ref, batches, local=False)
+    batches, ref, ref_losses = _reference(cfg)
     model = _build(cfg, fully_shard)
     handles = [model.unshard(async_op=True)] + [b.unshard(async_op=True) for b in model.blocks]
     x, y = _local(*batches[0])
@@ -389,8 +385,10 @@ def _stale_read_in_check_mode(mapped: bool):
         handle.remove()
         assert model._fsdp.ctx.comm.check_freed
         assert not isinstance(kept[0], DTensor)  # the unsharded parameter, now freed
-        with pytest.raises(RuntimeError):
+        with pytest.raises(RuntimeError, match="read after fully_shard freed it"):
             kept[0].sum()
+        with pytest.raises(RuntimeError, match="read after fully_shard freed it"):
+            torch.cat([kept[0], kept[0]])  # found inside a list argument too
     finally:
         del os.environ["FSDP2_CHECK_FREED"]
         _host_memory.wants_mapping = wants
