@@ -48,6 +48,15 @@ def _reference(cfg, steps: int = 4):
     return batches, ref, _train(ref, batches, local=False)
 
 
+def _unwrapped(cfg) -> GPT:
+    """The reference's model, before any fully_shard call (for custom wrappings)."""
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    torch.manual_seed(0)
+    model.reset_parameters()
+    return model
+
+
 def _local(x, y):
     rank = dist.get_rank()
     rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
@@ -58,10 +67,7 @@ def _local(x, y):
 def _no_unshard_in_backward():
     cfg = _cfg()
     batches, ref, ref_losses = _reference(cfg)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    torch.manual_seed(0)
-    model.reset_parameters()
+    model = _unwrapped(cfg)
     fully_shard(model.tok_emb)  # an embedding's backward never reads its weight
     for block in model.blocks:
         fully_shard(block)
@@ -111,10 +117,7 @@ def test_ignored_params_are_left_alone():
 def _list_group_one_collective():
     cfg = _cfg()
     batches, ref, ref_losses = _reference(cfg)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    torch.manual_seed(0)
-    model.reset_parameters()
+    model = _unwrapped(cfg)
     fully_shard([model.blocks[0], model.blocks[1]])  # one group, two modules
     fully_shard(model)
     x, y = _local(*batches[0])
