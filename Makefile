@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 NPROC ?= 2
 TRAIN_SCRIPT ?= $(if $(wildcard examples/train_gpt.py),examples/train_gpt.py,examples/mesh_demo.py)
 
-.PHONY: test train lint bench clean
+.PHONY: test train train-2d lint bench clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,9 @@ test: $(VENV)/.installed
 train: $(VENV)/.installed
 	$(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) $(TRAIN_SCRIPT) $(ARGS)
 
+train-2d: $(VENV)/.installed
+	$(VENV)/bin/torchrun --standalone --nproc-per-node=4 examples/train_2d.py $(ARGS)
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -26,6 +29,7 @@ lint: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) benchmarks/run.py
 	$(PY) benchmarks/train_bench.py $(BENCH_ARGS)
+	$(PY) benchmarks/tp_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

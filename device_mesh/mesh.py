@@ -474,6 +474,48 @@ class DeviceMesh:
         names = f", mesh_dim_names={self._dim_names}" if self._dim_names else ""
         return f"DeviceMesh({self._device_type!r}, {self._mesh.tolist()}{names})"
 
+    @staticmethod
+    def _concatenate(meshes) -> DeviceMesh:
+        """One mesh over the dims of several slices of one root mesh, in root order (the
+        mesh a 2-D FSDP + tensor-parallel parameter lives on). No process group is created.
+
+        Raises:
+            ValueError: a mesh has no dim names, the meshes come from different roots, or
+                their dims overlap or are out of root order.
+
+        Example:
+            >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            >>> DeviceMesh._concatenate([mesh["dp"], mesh["tp"]]) == mesh
+            True
+        """
+        api = "DeviceMesh._concatenate"
+        roots = [m._get_root_mesh() for m in meshes]
+        if any(r != roots[0] for r in roots[1:]):
+            listing = ", ".join(repr(m) for m in meshes)
+            raise ValueError(
+                f"{api}: the meshes {listing} are not slices of one root mesh. Build one mesh "
+                "with init_device_mesh(..., mesh_dim_names=(...)) and slice every part from it."
+            )
+        unnamed = [m for m in meshes if m.mesh_dim_names is None]
+        if unnamed:
+            raise ValueError(
+                f"{api}: mesh {unnamed[0]!r} has no mesh_dim_names; slice it by name from a "
+                "root mesh built with mesh_dim_names."
+            )
+        names = tuple(n for m in meshes for n in m.mesh_dim_names)
+        return meshes[0]._get_root_mesh()[names]
+
+    def _get_root_mesh(self) -> DeviceMesh:
+        """The mesh this one was sliced or flattened from (itself for a root).
+
+        Example:
+            >>> mesh["tp"]._get_root_mesh() is mesh
+            True
+        """
+        if self._origin[0] == "flat":
+            return self._origin[1]._get_root_mesh()
+        return self._root
+
     # ----------------------------------------------------------------------------- copies
     def __copy__(self) -> DeviceMesh:
         return self  # meshes are immutable and hold process groups: copies share them

@@ -15,6 +15,7 @@ from dtensor._spec import DTensorSpec, TensorMeta, contiguous_stride
 from dtensor.placement import (
     Partial,
     Shard,
+    _StridedShard,
     chunk_sizes,
     normalize_placements,
     padded_chunk_size,
@@ -53,7 +54,10 @@ def distribute_tensor(
             f"None, got {src_data_rank!r}."
         )
     local = tensor.detach()
-    for mesh_dim, p in enumerate(placements):
+    # plain shards in mesh-dim order, then the strided ones that split inside them
+    order = sorted(range(len(placements)), key=lambda i: isinstance(placements[i], _StridedShard))
+    for mesh_dim in order:
+        p = placements[mesh_dim]
         if src_data_rank is None or device_mesh.size(mesh_dim) == 1:
             if isinstance(p, Shard):
                 local = local_chunk(

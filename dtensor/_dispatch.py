@@ -27,7 +27,7 @@ from dtensor import (
 )
 from dtensor._ops._common import OpSchema, OutputSharding, find_rule
 from dtensor._spec import DTensorSpec, TensorMeta
-from dtensor.placement import Replicate, format_placements
+from dtensor.placement import Replicate, _StridedShard, format_placements
 from dtensor.tensor import DTensor, redistribute_dtensor
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,8 @@ def dispatch(func, args, kwargs):
         return _inplace.change_shape_in_place(func, view, args, kwargs)
     leaves, treespec = _flatten(args, kwargs)
     _check_inputs(func, leaves)
+    if any(isinstance(x, DTensor) and x._spec.has_strided for x in leaves):
+        leaves = _unstride_unless_kept(func, leaves, treespec)
     if not func.__name__.startswith("_foreach_"):
         leaves = _replicate_scalars(func, leaves)
     key = _cache_key(func, leaves, treespec)
@@ -299,6 +301,45 @@ def _check_inputs(func, leaves) -> None:
                 f"{func}: all DTensor inputs must be on one mesh, got {first!r} and {m!r}. "
                 "Redistribute to a common mesh first (full_tensor() + distribute_tensor())."
             )
+
+
+def _keeps_strided(func, leaves, treespec) -> bool:
+    """Whether ``func``'s rule keeps a ``_StridedShard`` input's layout as it is: elementwise
+    ops and the optimizer's foreach ops do (same placements in, same out), and so do
+    reductions to a scalar (only partials come out). Other rules build plain ``Shard``
+    outputs, which would misplace a strided shard."""
+    name = getattr(find_rule(func), "__name__", "")
+    if name in (
+        "pointwise_rule",
+        "foreach_rule",
+        "identity_rule",
+        "foreach_norm_rule",
+        "random_inplace",
+    ):
+        return True
+    if name in ("vector_norm_rule", "sum_mean_rule", "max_min_rule"):
+        return all(m.ndim == 0 for m in _meta_outputs(func, leaves, treespec))
+    return False
+
+
+def _unstride_unless_kept(func, leaves: list, treespec) -> list:
+    """Gather the strided shards of inputs whose layout ``func`` would not keep ([Note:
+    nested shards] in ``_redistribute.py``), so every other rule sees plain placements."""
+    if _keeps_strided(func, leaves, treespec):
+        return leaves
+    if _is_inplace(func) and isinstance(leaves[0], DTensor) and leaves[0]._spec.has_strided:
+        raise NotImplementedError(
+            f"{func}: in-place on a DTensor with placements "
+            f"{format_placements(leaves[0].placements)} is supported only for elementwise ops; "
+            "redistribute it to plain Shard/Replicate placements first."
+        )
+    out = []
+    for x in leaves:
+        if isinstance(x, DTensor) and x._spec.has_strided:
+            plain = tuple(Replicate() if isinstance(p, _StridedShard) else p for p in x.placements)
+            x = redistribute_dtensor(x, plain)
+        out.append(x)
+    return out
 
 
 def _hashable(x):

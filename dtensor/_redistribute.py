@@ -1,8 +1,10 @@
 """Redistribution: a pure planner (placements in, list of steps out) and its executor.
 
 [Note: nested shards] When several mesh dims shard the same tensor dim, they nest in mesh-dim
-order: mesh dim 0 takes its ``torch.chunk`` first and mesh dim 1 splits that chunk again. A
-tensor dim's *shard sequence* is the list of mesh dims sharding it, outermost first. Only a
+order: mesh dim 0 takes its ``torch.chunk`` first and mesh dim 1 splits that chunk again,
+except that a ``_StridedShard`` (FSDP over tensor parallelism) splits inside the plain shards.
+A tensor dim's *shard sequence* (``shard_order``) lists the mesh dims sharding it, outermost
+first. Only a
 common prefix of the source and target sequences can stay; the rest is gathered innermost
 first, then the target's remaining shards are added outermost first.
 
@@ -30,6 +32,7 @@ from dtensor.placement import (
     chunk_offsets,
     chunk_sizes,
     local_shape_and_offset,
+    shard_order,
 )
 
 
@@ -45,7 +48,7 @@ class Step:
 
 
 def _shard_seq(placements, tensor_dim: int) -> list[int]:
-    return [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == tensor_dim]
+    return shard_order(placements, tensor_dim)
 
 
 def plan_redistribute(src, dst) -> list[Step]:

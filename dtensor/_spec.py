@@ -7,7 +7,13 @@ from dataclasses import dataclass
 import torch
 
 from device_mesh import DeviceMesh
-from dtensor.placement import Placement, Shard, format_placements, local_shape_and_offset
+from dtensor.placement import (
+    Placement,
+    Shard,
+    _StridedShard,
+    format_placements,
+    local_shape_and_offset,
+)
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,11 @@ class DTensorSpec:
             if isinstance(p, Shard):
                 out.setdefault(p.dim, []).append(mesh_dim)
         return out
+
+    @property
+    def has_strided(self) -> bool:
+        """Whether some mesh dim shards inside another's shard (``_StridedShard``)."""
+        return any(isinstance(p, _StridedShard) for p in self.placements)
 
     def is_replicated(self) -> bool:
         return all(p.is_replicate() for p in self.placements)

@@ -91,7 +91,7 @@ class Shard(Placement):
         return chunk_sizes(size, num_chunks)[index]
 
     def __eq__(self, other):
-        return isinstance(other, Shard) and other.dim == self.dim
+        return type(other) is Shard and other.dim == self.dim
 
     def __hash__(self):
         return hash(("Shard", self.dim))
@@ -101,6 +101,55 @@ class Shard(Placement):
 
     def __str__(self):
         return f"S({self.dim})"
+
+
+class _StridedShard(Shard):
+    """``Shard(dim)`` taken *inside* the shards of the later mesh dims that shard ``dim``.
+
+    Plain shards of one tensor dim nest in mesh-dim order: mesh dim 0 takes its chunk first.
+    ``fully_shard`` over a tensor-parallel parameter does the opposite: tensor parallelism
+    (a later mesh dim) chunked the tensor first, and FSDP (an earlier mesh dim) chunks that
+    chunk again. This placement records that order; ``split_factor`` is the number of pieces
+    the later mesh dims cut the dim into (PyTorch's ``_StridedShard`` has the same meaning).
+
+    Example:
+        >>> # 8 rows on a (dp=2, tp=2) mesh; rank (dp=i, tp=j) holds chunk i of chunk j:
+        >>> local_shape_and_offset((8,), (2, 2), (1, 0), (_StridedShard(0, 2), Shard(0)))
+        ((2,), (2,))
+    """
+
+    __slots__ = ("split_factor",)
+
+    def __init__(self, dim: int, split_factor: int) -> None:
+        super().__init__(dim)
+        if not isinstance(split_factor, int) or split_factor < 1:
+            raise ValueError(
+                f"_StridedShard: split_factor must be an int >= 1, got {split_factor!r}."
+            )
+        object.__setattr__(self, "split_factor", split_factor)
+
+    def _ctor_args(self) -> tuple:
+        return (self.dim, self.split_factor)
+
+    def normalized(self, ndim: int, *, api: str = "Shard") -> _StridedShard:
+        plain = Shard(self.dim).normalized(ndim, api=api)
+        return self if plain.dim == self.dim else _StridedShard(plain.dim, self.split_factor)
+
+    def __eq__(self, other):
+        return (
+            type(other) is _StridedShard
+            and other.dim == self.dim
+            and other.split_factor == self.split_factor
+        )
+
+    def __hash__(self):
+        return hash(("_StridedShard", self.dim, self.split_factor))
+
+    def __repr__(self):
+        return f"_StridedShard(dim={self.dim}, split_factor={self.split_factor})"
+
+    def __str__(self):
+        return f"_S({self.dim}, {self.split_factor})"
 
 
 class Replicate(Placement):
@@ -266,9 +315,38 @@ def normalize_placements(placements, mesh_ndim: int, tensor_ndim: int, *, api: s
             f"{api}: placements must have one entry per mesh dim ({mesh_ndim}), got "
             f"{len(placements)}: {format_placements(placements)}. Add or remove entries."
         )
-    return tuple(
+    placements = tuple(
         p.normalized(tensor_ndim, api=api) if isinstance(p, Shard) else p for p in placements
     )
+    _check_strided(placements, api=api)
+    return placements
+
+
+def _check_strided(placements, *, api: str) -> None:
+    """A ``_StridedShard`` needs a later plain ``Shard`` of the same dim to sit inside."""
+    for i, p in enumerate(placements):
+        if isinstance(p, _StridedShard):
+            later = [q for q in placements[i + 1 :] if type(q) is Shard and q.dim == p.dim]
+            if not later:
+                raise ValueError(
+                    f"{api}: {p!r} on mesh dim {i} needs a later mesh dim with Shard({p.dim}) "
+                    f"to split inside, got {format_placements(placements)}. Use Shard({p.dim})."
+                )
+
+
+def shard_order(placements, tensor_dim: int) -> list[int]:
+    """The mesh dims sharding ``tensor_dim``, in the order they split it (outermost first):
+    plain shards in mesh-dim order, then strided ones ([Note: nested shards]).
+
+    Example:
+        >>> shard_order((_StridedShard(0, 2), Shard(0)), 0)
+        [1, 0]
+    """
+    plain, strided = [], []
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard) and p.dim == tensor_dim:
+            (strided if isinstance(p, _StridedShard) else plain).append(i)
+    return plain + strided
 
 
 def is_torch_placement(obj) -> bool:
@@ -276,6 +354,7 @@ def is_torch_placement(obj) -> bool:
     mod = type(obj).__module__
     return mod.startswith("torch.distributed.tensor") and type(obj).__name__ in (
         "Shard",
+        "_StridedShard",
         "Replicate",
         "Partial",
     )
@@ -292,6 +371,8 @@ def from_torch_placement(p):
     if not is_torch_placement(p):
         return p
     name = type(p).__name__
+    if name == "_StridedShard":
+        return _StridedShard(p.dim, p.split_factor)
     if name == "Shard":
         return Shard(p.dim)
     if name == "Replicate":
@@ -307,8 +388,9 @@ def format_placements(placements) -> str:
 def local_shape_and_offset(global_shape, mesh_shape, coordinate, placements):
     """This rank's local shape and its offset in the global tensor.
 
-    Several mesh dims may shard the same tensor dim; they split it in mesh-dim order (the
-    shard of mesh dim 0 is split again by mesh dim 1, and so on).
+    Several mesh dims may shard the same tensor dim; they split it in ``shard_order`` (plain
+    shards in mesh-dim order - the shard of mesh dim 0 is split again by mesh dim 1 - then
+    ``_StridedShard`` ones). Every local piece is one contiguous box of the global tensor.
 
     Example:
         >>> local_shape_and_offset((7, 5), (2, 2), (1, 1), (Shard(0), Shard(0)))
@@ -316,10 +398,10 @@ def local_shape_and_offset(global_shape, mesh_shape, coordinate, placements):
     """
     shape = list(global_shape)
     offset = [0] * len(shape)
-    for mesh_dim, p in enumerate(placements):
-        if isinstance(p, Shard):
-            n, k = shape[p.dim], mesh_shape[mesh_dim]
+    for tdim in sorted({p.dim for p in placements if isinstance(p, Shard)}):
+        for mesh_dim in shard_order(placements, tdim):
+            n, k = shape[tdim], mesh_shape[mesh_dim]
             i = coordinate[mesh_dim]
-            offset[p.dim] += chunk_offsets(n, k)[i]
-            shape[p.dim] = chunk_sizes(n, k)[i]
+            offset[tdim] += chunk_offsets(n, k)[i]
+            shape[tdim] = chunk_sizes(n, k)[i]
     return tuple(shape), tuple(offset)

@@ -29,6 +29,7 @@ class GPTConfig:
     tie_weights: bool = False
     bias: bool = True  # biases in every Linear
     checkpoint_blocks: bool = False  # torch.utils.checkpoint around every block
+    fused_qkv: bool = True  # one q/k/v projection; False for tensor parallelism (tp_plan)
 
     def num_params(self) -> int:
         d, v = self.dim, self.vocab_size
@@ -38,19 +39,33 @@ class GPTConfig:
 
 
 class Attention(nn.Module):
+    """Causal self-attention. Heads are counted from the local width (``-1``), so a
+    tensor-parallel plan can split the projections by whole heads; that needs separate
+    q/k/v projections (``GPTConfig(fused_qkv=False)``): a column split of the fused one would
+    cut across q, k and v."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=cfg.bias)
+        self.head_dim = cfg.dim // cfg.n_heads
+        if cfg.fused_qkv:
+            self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=cfg.bias)
+        else:
+            self.q = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
+            self.k = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
+            self.v = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
         self.proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).unbind(2)
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        b, t = x.shape[0], x.shape[1]
+        if hasattr(self, "qkv"):
+            q, k, v = self.qkv(x).view(b, t, 3, -1, self.head_dim).transpose(1, 3).unbind(2)
+        else:
+            q, k, v = (
+                proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+                for proj in (self.q, self.k, self.v)
+            )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -146,3 +161,55 @@ def gpt_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torc
     """Mean next-token cross-entropy."""
     logits = model(idx)
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+def tp_plan(*, loss_parallel: bool = False, use_torch: bool = False) -> dict:
+    """The tensor-parallel plan for ``GPT`` (Megatron-style with sequence parallelism).
+
+    Attention splits by heads (q/k/v column-parallel, the output projection row-parallel),
+    the MLP by hidden units; between blocks the activations are sharded along the sequence
+    (dim 1), so the norms run on ``1/tp`` of the tokens. With ``loss_parallel`` the logits
+    stay sharded over the vocabulary for ``dtensor.parallel.loss_parallel``. ``use_torch``
+    builds the same plan from PyTorch's own classes.
+
+    Example:
+        >>> parallelize_module(model, mesh["tp"], tp_plan())
+    """
+    if use_torch:  # the same plan in PyTorch's classes (tests and benchmarks compare)
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+    else:
+        from dtensor import Replicate, Shard
+        from dtensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+
+    gather_seq = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "pos_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+        "blocks.*.ln1": SequenceParallel(),
+        "blocks.*.attn": gather_seq,
+        "blocks.*.attn.q": ColwiseParallel(),
+        "blocks.*.attn.k": ColwiseParallel(),
+        "blocks.*.attn.v": ColwiseParallel(),
+        "blocks.*.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+        "blocks.*.ln2": SequenceParallel(),
+        "blocks.*.mlp": gather_seq,
+        "blocks.*.mlp.fc": ColwiseParallel(),
+        "blocks.*.mlp.out": RowwiseParallel(output_layouts=Shard(1)),
+        "ln_f": SequenceParallel(),
+        "head": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }

@@ -58,7 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def torchrun_command(args: argparse.Namespace, argv: list[str]) -> list[str]:
+def torchrun_command(
+    args: argparse.Namespace, argv: list[str], script: str = __file__
+) -> list[str]:
     """The torchrun command that runs this script with ``args.nproc`` processes.
 
     ``--nproc`` itself is not passed on: torchrun parses the whole command line and would
@@ -74,7 +76,7 @@ def torchrun_command(args: argparse.Namespace, argv: list[str]) -> list[str]:
             forwarded.append(a)
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={args.nproc}", __file__, *forwarded,
+        f"--nproc-per-node={args.nproc}", script, *forwarded,
     ]  # fmt: skip
 
 
@@ -161,10 +163,9 @@ def train(args) -> None:
     data = load_bytes(args.data)
     stream = batches(data, args.batch, args.seq, seed=1000 + rank)
 
-    progress = console = None
+    progress = console = task = None
     if rank == 0:
         from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         console = Console()
         console.print(
@@ -172,14 +173,7 @@ def train(args) -> None:
             f"{ws} ranks, {len(data) / 1e6:.1f} MB of text, batch {args.batch}x{args.seq} per rank"
             + (", bf16" if args.bf16 else "")
         )
-        if console.is_terminal:  # a live bar; a log file gets plain lines instead
-            progress = Progress(
-                TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                TimeRemainingColumn(), console=console,
-            )  # fmt: skip
-            progress.start()
-            task = progress.add_task("train", total=args.steps, loss="-", tps="-")
+        progress, task = start_progress(console, args.steps)
 
     logged: list[tuple[int, float]] = []
     tokens = 0
@@ -233,6 +227,21 @@ def train(args) -> None:
         console.print("sample:", repr(text))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def start_progress(console, steps: int):
+    """A live progress bar on a terminal; ``(None, None)`` for a log file (plain lines)."""
+    if not console.is_terminal:
+        return None, None
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    progress = Progress(
+        TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+        TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+        TimeRemainingColumn(), console=console,
+    )  # fmt: skip
+    progress.start()
+    return progress, progress.add_task("train", total=steps, loss="-", tps="-")
 
 
 def report(console, logged, ranks, tps, elapsed) -> None:

@@ -16,6 +16,7 @@ from fsdp2.fully_shard import (
     fully_shard,
     register_fsdp_forward_method,
 )
+from fsdp2.recipe import parallelize_transformer
 
 __all__ = [
     "fully_shard",
@@ -25,4 +26,5 @@ __all__ = [
     "OffloadPolicy",
     "CPUOffloadPolicy",
     "register_fsdp_forward_method",
+    "parallelize_transformer",
 ]

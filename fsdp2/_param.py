@@ -32,9 +32,18 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from device_mesh import DeviceMesh
 from dtensor import DTensor
 from dtensor._spec import DTensorSpec, TensorMeta, contiguous_stride
-from dtensor.placement import Replicate, Shard, chunk_offsets, chunk_sizes, padded_chunk_size
+from dtensor.placement import (
+    Replicate,
+    Shard,
+    _StridedShard,
+    chunk_offsets,
+    chunk_sizes,
+    padded_chunk_size,
+)
+from dtensor.tensor import redistribute_dtensor
 from fsdp2._storage import UnshardedStorage
 
 
@@ -70,6 +79,26 @@ class MeshInfo:
         if self.replicate_mesh_dim is None:
             return (Shard(shard_dim),)
         return (Replicate(), Shard(shard_dim))
+
+
+def _spmd_layout(info: MeshInfo, shard_dim: int, tp_spec: DTensorSpec | None):
+    """The mesh and placements of a sharded parameter at rest.
+
+    Plain: the FSDP mesh with ``(Shard(d),)`` or HSDP's ``(Replicate(), Shard(d))``. Over
+    tensor parallelism: the FSDP mesh's dims then the TP mesh's, with the TP placements last;
+    when TP already shards ``d``, FSDP's shard splits inside TP's (``_StridedShard``), as
+    PyTorch lays it out.
+    """
+    if tp_spec is None:
+        return info.mesh, info.placements(shard_dim)
+    mesh = DeviceMesh._concatenate([info.mesh, tp_spec.mesh])
+    split = 1
+    for i, p in enumerate(tp_spec.placements):
+        if isinstance(p, Shard) and p.dim == shard_dim:
+            split *= tp_spec.mesh.size(i)
+    fsdp = _StridedShard(shard_dim, split) if split > 1 else Shard(shard_dim)
+    dp = (Replicate(), fsdp) if info.replicate_mesh_dim is not None else (fsdp,)
+    return mesh, (*dp, *tp_spec.placements)
 
 
 class CheckedParameter(nn.Parameter):
@@ -136,7 +165,14 @@ class FSDPParam:
         self.mesh_info = mesh_info
         self.shard_dim = shard_dim
         self.requires_grad = param.requires_grad
-        self.shape = param.shape
+        # [Note: FSDP over tensor parallelism] A parameter that is already a DTensor on a
+        # tensor-parallel mesh is sharded by its local tensor: FSDP's shape is the TP-local
+        # shape, the all-gather restores the TP-local tensor, and the module computes with a
+        # DTensor on the TP mesh. At rest it is one DTensor on the concatenated mesh.
+        self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
+        self.global_shape = param.shape
+        self.shape = param._local_tensor.shape if self.tp_spec is not None else param.shape
+        self.spmd_mesh, self.placements = _spmd_layout(mesh_info, shard_dim, self.tp_spec)
         self._original = weakref.ref(param)
         self.pin_memory = pin_memory  # CPU offload: keep the shard in page-locked memory
         self.sharded_param = self._shard(param, device)
@@ -198,16 +234,17 @@ class FSDPParam:
     def _shard(self, param: nn.Parameter, device: torch.device) -> nn.Parameter:
         info = self.mesh_info
         offset = chunk_offsets(self.rows, info.shard_size)[info.shard_rank]
-        data = param.detach()
+        data = param._local_tensor.detach() if self.tp_spec is not None else param.detach()
         local = data.narrow(self.shard_dim, offset, self.local_rows)
         target = data.device if data.device.type == "meta" else device
         local = local.to(target, memory_format=torch.contiguous_format, copy=True)
         if self.pin_memory and target.type == "cpu":
             local = local.pin_memory()
+        shape = self.global_shape
         spec = DTensorSpec(
-            info.mesh,
-            info.placements(self.shard_dim),
-            TensorMeta(self.shape, contiguous_stride(self.shape), param.dtype),
+            self.spmd_mesh,
+            self.placements,
+            TensorMeta(shape, contiguous_stride(shape), param.dtype),
         )
         dt = DTensor(local, spec, requires_grad=False)
         return nn.Parameter(dt, requires_grad=param.requires_grad)
@@ -264,7 +301,9 @@ class FSDPParam:
         full = self.storage.tensor[: self.rows]
         if self.shard_dim:
             full = full.movedim(0, self.shard_dim)
-        if comm.check_freed:
+        if self.tp_spec is not None:
+            param = nn.Parameter(self._as_tp(full), requires_grad=self.requires_grad)
+        elif comm.check_freed:
             param = CheckedParameter(full, requires_grad=self.requires_grad)
             param._fsdp_owner = self
         else:
@@ -292,13 +331,31 @@ class FSDPParam:
         """World of one, no cast: the unsharded parameter shares the shard's storage."""
         local = self.local
         current = self.unsharded_param
-        if current is not None and current.data_ptr() == local.data_ptr():
-            if current.shape == local.shape:
+        if current is not None:
+            mine = current._local_tensor if self.tp_spec is not None else current
+            if mine.data_ptr() == local.data_ptr() and mine.shape == local.shape:
                 return
         grad = current.grad if current is not None else None
-        self.unsharded_param = nn.Parameter(local, requires_grad=self.requires_grad)
+        data = self._as_tp(local) if self.tp_spec is not None else local
+        self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
         if grad is not None:
             self.unsharded_param.grad = grad
+
+    def _as_tp(self, local: torch.Tensor) -> DTensor:
+        """The TP-local tensor ``local`` as the DTensor the module computes with."""
+        spec = self.tp_spec
+        meta = TensorMeta(spec.shape, spec.meta.stride, local.dtype)
+        return DTensor(local, DTensorSpec(spec.mesh, spec.placements, meta), requires_grad=False)
+
+    def _tp_local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """A gradient of the unsharded parameter as a plain TP-local tensor: a DTensor
+        gradient laid out otherwise (``Partial`` sums over a sequence shard) is first
+        redistributed to the parameter's TP placements."""
+        if not isinstance(grad, DTensor):
+            return grad
+        if grad.placements != self.tp_spec.placements:
+            grad = redistribute_dtensor(grad, self.tp_spec.placements)
+        return grad._local()
 
     # ------------------------------------------------------------------------- registration
     def register(self, tensor: torch.Tensor) -> None:
@@ -321,6 +378,7 @@ class FSDPParam:
             if grad is None:
                 return
             self.unsharded_param.grad = None
+        grad = self._tp_local_grad(grad)
         if self.accumulated_grad is None:
             self.accumulated_grad = grad.to(dtype)
         else:
@@ -334,6 +392,8 @@ class FSDPParam:
             with internal():
                 grad = self.unsharded_param.grad
                 self.unsharded_param.grad = None
+        if grad is not None:
+            grad = self._tp_local_grad(grad)
         acc, self.accumulated_grad = self.accumulated_grad, None
         if acc is None:
             return grad

@@ -102,6 +102,7 @@ def fully_shard(
     offload_policy = as_offload_policy(offload_policy)
     plan = _collect_params(modules, _ignored_ids(ignored_params))
     _check_params(plan, device)
+    _check_tensor_parallel(plan, mesh)
     dims = [_shard_dim(shard_placement_fn, p, plan.names[id(p)]) for p, _ in plan.new]
     _check_take_overs(plan, info)
     # 2. process groups
@@ -186,11 +187,6 @@ def _collect_params(modules, ignored: set[int]) -> _Plan:
                     f"{p._fsdp_managed}, which contains this module. Call fully_shard on "
                     "inner modules first (each block), then on the modules that contain them "
                     "(the root last)."
-                )
-            if isinstance(p, DTensor):
-                raise NotImplementedError(
-                    f"{_API}: parameter {name} is already a DTensor ({p.placements}); "
-                    "composing fully_shard with tensor parallelism is not supported yet."
                 )
             owner = replaced_by(p)
             if owner is not None:
@@ -282,6 +278,11 @@ def _mesh_info(mesh: DeviceMesh) -> MeshInfo:
         raise ValueError(
             f"{_API}: mesh must be 1-D (FSDP) or 2-D (HSDP: replicate, shard), got a "
             f"{mesh.ndim}-D mesh of shape {mesh.shape}. Slice it, e.g. mesh['dp']."
+        )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise ValueError(
+            f"{_API}: a 2-D mesh (HSDP: replicate, shard) needs mesh_dim_names, got {mesh!r}. "
+            'Build it with init_device_mesh(..., mesh_dim_names=("dp_replicate", "dp_shard")).'
         )
     coord = mesh.get_coordinate()
     if coord is None:
@@ -378,6 +379,36 @@ def _check_params(plan: _Plan, device: torch.device) -> None:
                 f"{_API}: parameters are on {d} but the mesh computes on {device}. Build the "
                 f"mesh with device_type={dev.type!r} or move the module to {device}."
             )
+
+
+def _check_tensor_parallel(plan: _Plan, mesh: DeviceMesh) -> None:
+    """A DTensor parameter (tensor parallelism) must live on a 1-D mesh that is another
+    dim of the FSDP mesh's root, after the FSDP dims ([Note: FSDP over tensor parallelism])."""
+    for p, _locations in plan.new:
+        if not isinstance(p, DTensor):
+            continue
+        name = plan.names[id(p)]
+        tp = p.device_mesh
+        if tp.ndim != 1:
+            raise NotImplementedError(
+                f"{_API}: parameter {name!r} is a DTensor on a {tp.ndim}-D mesh {tp!r}; only "
+                "parameters laid out by tensor parallelism over one mesh dim can be sharded "
+                "on top."
+            )
+        if any(pl.is_partial() for pl in p.placements):
+            raise ValueError(
+                f"{_API}: parameter {name!r} is a Partial DTensor; redistribute it to "
+                "Shard/Replicate before fully_shard."
+            )
+        try:
+            DeviceMesh._concatenate([mesh, tp])
+        except ValueError as e:
+            raise ValueError(
+                f"{_API}: parameter {name!r} is tensor-parallel on {tp!r}, which is not "
+                f"another dim of the FSDP mesh {mesh!r}'s root mesh ({e}). Build one mesh, "
+                'e.g. init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")), and pass '
+                'mesh["tp"] to parallelize_module and mesh["dp"] to fully_shard.'
+            ) from None
 
 
 def _check_take_overs(plan: _Plan, info: MeshInfo) -> None:

@@ -54,3 +54,18 @@ def test_train_gpt_logs_lines_when_not_on_a_terminal():
     lines = [line for line in out.stdout.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["1/4", "3/4", "4/4"], out.stdout
     assert "sample: 'def " in out.stdout
+
+
+@pytest.mark.slow
+def test_train_2d_runs_fsdp_with_tensor_parallelism_under_torchrun():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "examples" / "train_2d.py"), "--dp", "2", "--tp", "2"]
+    cmd += ["--steps", "4", "--dim", "32", "--layers", "1", "--heads", "2", "--seq", "16"]
+    cmd += ["--batch", "2", "--log-every", "2", "--loss-parallel"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "{'dp': 2, 'tp': 2}" in out.stdout
+    lines = [line for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["1/4", "3/4", "4/4"], out.stdout
+    first, last = float(lines[0].split()[3]), float(lines[-1].split()[3])
+    assert last < first, out.stdout

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dtensor._spec import DTensorSpec
-from dtensor.placement import Partial, Replicate, Shard
+from dtensor.placement import Partial, Replicate, Shard, _StridedShard
 
 _RULES: dict = {}
 
@@ -79,13 +79,22 @@ class OutputSharding:
     output_meshes: list | None = None
 
 
+def with_dim(p: Shard, dim: int) -> Shard:
+    """``p`` moved to tensor dim ``dim``, keeping its kind (a ``_StridedShard`` stays one)."""
+    if p.dim == dim:
+        return p
+    if isinstance(p, _StridedShard):
+        return _StridedShard(dim, p.split_factor)
+    return Shard(dim)
+
+
 def map_to(p_out, out_ndim: int, shape: tuple, out_shape: tuple):
     """Placement an input of ``shape`` needs so that a broadcasting op yields ``p_out``."""
     if isinstance(p_out, Shard):
         td = p_out.dim - (out_ndim - len(shape))
         if td < 0 or shape[td] != out_shape[p_out.dim]:
             return Replicate()
-        return Shard(td)
+        return with_dim(p_out, td)
     return Replicate() if not isinstance(p_out, Partial) else p_out
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from dtensor._ops._common import OpSchema, OutputSharding, map_to, register
+from dtensor._ops._common import OpSchema, OutputSharding, map_to, register, with_dim
 from dtensor._spec import DTensorSpec
 from dtensor.placement import Partial, Replicate, Shard
 
@@ -104,7 +104,7 @@ def _decide(name: str, operands: list, out_shape, *, inplace: bool):
                     "or use the out-of-place op."
                 )
             if isinstance(p_out, Shard) and len(specs[0].shape) != out_ndim:
-                p_out = Shard(p_out.dim + out_ndim - len(specs[0].shape))
+                p_out = with_dim(p_out, p_out.dim + out_ndim - len(specs[0].shape))
         else:
             p_out = None
             partials = [p for p in ps if isinstance(p, Partial)]
@@ -115,7 +115,7 @@ def _decide(name: str, operands: list, out_shape, *, inplace: bool):
                     if isinstance(p, Shard):
                         od = p.dim + out_ndim - s.ndim
                         if s.shape[p.dim] == out_shape[od]:
-                            p_out = Shard(od)
+                            p_out = with_dim(p, od)
                             break
             if p_out is None:
                 p_out = Replicate()

@@ -1,0 +1,418 @@
+"""Parallel styles: how one module's parameters, inputs and outputs are laid out over the
+tensor-parallel mesh dim.
+
+A style does three things to the module it is applied to:
+
+1. replaces each parameter by an ``nn.Parameter`` holding a DTensor (a tied parameter met
+   again is reused, not split twice);
+2. hooks its inputs: a plain tensor is taken as this rank's piece of ``input_layouts`` and
+   redistributed to the layout the computation needs;
+3. hooks its outputs: redistributed to ``output_layouts``, and handed on as a plain local
+   tensor when ``use_local_output``.
+
+``ColwiseParallel`` and ``RowwiseParallel`` also give the module a forward on local tensors
+([Note: local compute] in ``_compute.py``); ``SequenceParallel`` keeps the module's own
+forward, which then runs on DTensors through the op rules.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtensor import debug
+from dtensor._api import distribute_tensor
+from dtensor._collectives import _dim_label as mesh_dim_label
+from dtensor.parallel import _compute
+from dtensor.placement import Placement, Replicate, Shard, chunk_sizes, format_placements
+from dtensor.tensor import DTensor, redistribute_dtensor
+
+
+class ParallelStyle:
+    """Base class of the styles ``parallelize_module`` applies.
+
+    A subclass sets ``supported`` (module types; empty means any) and implements
+    ``_apply(module, mesh, tied)``, where ``tied`` maps the id of every parameter already
+    distributed by this ``parallelize_module`` call to its replacement.
+    """
+
+    supported: tuple = ()
+
+    def _check(self, module: nn.Module, path: str) -> None:
+        """Raise before anything changes if this style cannot apply to ``module``."""
+        if self.supported and not isinstance(module, self.supported):
+            names = " or ".join(t.__name__ for t in self.supported)
+            raise TypeError(
+                f"parallelize_module: {type(self).__name__} applies to {names}, but "
+                f"{path or 'the module'!r} is a {type(module).__name__}. Apply it to the "
+                "Linear/Embedding children instead, or use PrepareModuleInput/"
+                "PrepareModuleOutput/SequenceParallel for this module."
+            )
+
+    def _apply(self, module: nn.Module, mesh, tied: dict) -> None:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+# --------------------------------------------------------------------------- helpers
+def _layout(p, name: str, style: str, default: Placement | None = None):
+    if p is None:
+        return default
+    if isinstance(p, (tuple, list)) and len(p) == 1:
+        p = p[0]
+    if not isinstance(p, Placement):
+        from dtensor.placement import from_torch_placement
+
+        p = from_torch_placement(p)
+    if not isinstance(p, Placement):
+        raise TypeError(
+            f"{style}: {name} must be a placement such as Shard(1) or Replicate(), got {p!r}."
+        )
+    return p
+
+
+def _distribute(module: nn.Module, name: str, mesh, placement: Placement, tied: dict) -> None:
+    """Replace ``module.<name>`` by a DTensor parameter laid out as ``placement``."""
+    param = module._parameters[name]
+    if param is None:
+        return
+    if id(param) in tied:
+        param = tied[id(param)]
+    if isinstance(param, DTensor):
+        if param.placements != (placement,) or param.device_mesh != mesh:
+            raise ValueError(
+                f"parallelize_module: parameter {name!r} of {type(module).__name__} is tied to "
+                f"one already laid out as {format_placements(param.placements)}, but this style "
+                f"wants ({placement}). Give tied modules styles that shard the shared weight "
+                "the same way (e.g. RowwiseParallel on the embedding, ColwiseParallel on the "
+                "output projection: both Shard(0))."
+            )
+        module._parameters[name] = param
+        return
+    src = None if param.device.type == "meta" else 0
+    dt = distribute_tensor(param.detach(), mesh, (placement,), src_data_rank=src)
+    new = nn.Parameter(dt, requires_grad=param.requires_grad)
+    if new.requires_grad and placement.is_replicate():
+        new.register_post_accumulate_grad_hook(_settle_grad)
+    tied[id(param)] = new
+    module._parameters[name] = new
+
+
+def _settle_grad(param) -> None:
+    """A replicated parameter used on sequence shards (norm weights, a row-parallel bias
+    before a sequence-sharded output) gets partial-sum gradients; sum them once here, so
+    every ``.grad`` is laid out like its parameter and the optimizer reduces nothing."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = redistribute_dtensor(grad, param.placements)
+
+
+def _as_input(x, mesh, layout, desired):
+    """``x`` as a DTensor in ``desired`` (a plain tensor is this rank's piece of ``layout``)."""
+    if layout is None or not isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, DTensor):
+        if x.device_mesh != mesh:
+            raise ValueError(
+                f"parallelize_module: an input DTensor lives on {x.device_mesh!r}, not on the "
+                f"tensor-parallel mesh {mesh!r}."
+            )
+        dt = x
+    else:
+        dt = DTensor.from_local(x, mesh, (layout,), shape=_global_shape(x, mesh, layout))
+    if desired is not None and dt.placements != (desired,):
+        dt = dt.redistribute(placements=(desired,))
+    return dt
+
+
+def _global_shape(x: torch.Tensor, mesh, layout) -> torch.Size:
+    """The global shape of the tensor whose ``layout`` piece ``x`` is on this rank.
+
+    For a shard the ranks' sizes along the dim are exchanged (one all-gather of one number
+    per rank), so a sequence not divisible by the mesh size gets its true length rather than
+    ``local * size``, which would differ between ranks and break the next collective.
+    """
+    if not isinstance(layout, Shard) or mesh.size() == 1:
+        return x.shape
+    dim = layout.dim % x.ndim
+    mine = torch.tensor([x.shape[dim]], dtype=torch.int64, device=x.device)
+    sizes = [torch.empty_like(mine) for _ in range(mesh.size())]
+    debug.record("all_gather", mesh_dim_label(mesh, 0), mesh.size(), mine.element_size())
+    dist.all_gather(sizes, mine, group=mesh.get_group())
+    sizes = [int(t) for t in sizes]
+    total = sum(sizes)
+    if sizes != chunk_sizes(total, mesh.size()):
+        raise ValueError(
+            f"parallelize_module: the ranks hold {sizes} entries of dim {dim} of an input "
+            f"taken as Shard({dim}); they must be the torch.chunk pieces of {total} "
+            f"({chunk_sizes(total, mesh.size())}). Shard the input with torch.chunk, or pass "
+            "a DTensor."
+        )
+    shape = list(x.shape)
+    shape[dim] = total
+    return torch.Size(shape)
+
+
+def _as_output(y, mesh, layout, desired, use_local: bool):
+    if not isinstance(y, torch.Tensor):
+        return y
+    if not isinstance(y, DTensor):
+        if layout is None:
+            return y
+        y = DTensor.from_local(y, mesh, (layout,), shape=_global_shape(y, mesh, layout))
+    if desired is not None and y.placements != (desired,):
+        y = y.redistribute(placements=(desired,))
+    return y.to_local() if use_local else y
+
+
+def _set_forward(module: nn.Module, fn) -> None:
+    """Give ``module`` a forward on local tensors (an instance attribute: hooks still run)."""
+    module.forward = types.MethodType(fn, module)
+
+
+# --------------------------------------------------------------------------- Linear / Embedding
+class ColwiseParallel(ParallelStyle):
+    """Shard a ``Linear``'s output features (weight and bias ``Shard(0)``) or an ``Embedding``'s
+    embedding dim (weight ``Shard(1)``) over the mesh.
+
+    The input is gathered to ``Replicate`` (from ``input_layouts``, default ``Replicate()``);
+    the output is the feature-sharded result, ``Shard(-1)``, redistributed to
+    ``output_layouts`` and handed on as a local tensor when ``use_local_output``.
+
+    Example:
+        >>> parallelize_module(mlp, mesh["tp"], {"fc": ColwiseParallel(),
+        ...                                      "out": RowwiseParallel()})
+    """
+
+    supported = (nn.Linear, nn.Embedding)
+
+    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output=True):
+        self.input_layouts = _layout(input_layouts, "input_layouts", "ColwiseParallel", Replicate())
+        self.output_layouts = _layout(
+            output_layouts, "output_layouts", "ColwiseParallel", Shard(-1)
+        )
+        self.use_local_output = use_local_output
+
+    def _check(self, module, path):
+        super()._check(module, path)
+        if isinstance(module, nn.Embedding) and module.max_norm is not None:
+            raise NotImplementedError(
+                f"parallelize_module: ColwiseParallel on {path!r}: Embedding(max_norm=...) "
+                "needs the norm of whole rows, which are split; drop max_norm or use "
+                "RowwiseParallel."
+            )
+
+    def _apply(self, module, mesh, tied):
+        if isinstance(module, nn.Linear):
+            _distribute(module, "weight", mesh, Shard(0), tied)
+            _distribute(module, "bias", mesh, Shard(0), tied)
+            _set_forward(module, _compute.colwise_linear)
+        else:
+            _distribute(module, "weight", mesh, Shard(1), tied)
+            _set_forward(module, _compute.colwise_embedding)
+        layout = self.input_layouts
+        module.register_forward_pre_hook(
+            lambda _, args: (_as_input(args[0], mesh, layout, Replicate()), *args[1:])
+        )
+        out, local = self.output_layouts, self.use_local_output
+        module.register_forward_hook(lambda _, __, y: _as_output(y, mesh, None, out, local))
+
+
+class RowwiseParallel(ParallelStyle):
+    """Shard a ``Linear``'s input features (weight ``Shard(1)``, bias replicated) or an
+    ``Embedding``'s rows (the vocabulary, weight ``Shard(0)``) over the mesh.
+
+    The input arrives as ``input_layouts`` (default ``Shard(-1)`` for a Linear - the output
+    of a ``ColwiseParallel`` one - and ``Replicate()`` for an Embedding); the partial results
+    are summed into ``output_layouts`` (default ``Replicate()``: an all-reduce; ``Shard(1)``:
+    a reduce-scatter over the sequence).
+
+    Example:
+        >>> RowwiseParallel(output_layouts=Shard(1))   # sequence-parallel block output
+    """
+
+    supported = (nn.Linear, nn.Embedding)
+
+    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output=True):
+        self.input_layouts = _layout(input_layouts, "input_layouts", "RowwiseParallel")
+        self.output_layouts = _layout(
+            output_layouts, "output_layouts", "RowwiseParallel", Replicate()
+        )
+        self.use_local_output = use_local_output
+
+    def _check(self, module, path):
+        super()._check(module, path)
+        if isinstance(module, nn.Embedding) and (
+            module.padding_idx is not None or module.max_norm is not None or module.sparse
+        ):
+            raise NotImplementedError(
+                f"parallelize_module: RowwiseParallel on {path!r}: an Embedding with "
+                "padding_idx, max_norm or sparse=True is not supported with its rows split; "
+                "use ColwiseParallel for it."
+            )
+
+    def _apply(self, module, mesh, tied):
+        out, local = self.output_layouts, self.use_local_output
+        if isinstance(module, nn.Linear):
+            _distribute(module, "weight", mesh, Shard(1), tied)
+            _distribute(module, "bias", mesh, Replicate(), tied)
+            fn, layout, desired = _compute.rowwise_linear, Shard(-1), Shard(-1)
+        else:
+            _distribute(module, "weight", mesh, Shard(0), tied)
+            fn, layout, desired = _compute.rowwise_embedding, Replicate(), Replicate()
+        layout = self.input_layouts or layout
+        module.forward = functools.partial(fn, module, output_layout=out)
+        module.register_forward_pre_hook(
+            lambda _, args: (_as_input(args[0], mesh, layout, desired), *args[1:])
+        )
+        module.register_forward_hook(lambda _, __, y: _as_output(y, mesh, None, None, local))
+
+
+# --------------------------------------------------------------------------- sequence parallel
+class SequenceParallel(ParallelStyle):
+    """Run a module (a norm, dropout) on activations sharded along ``sequence_dim``.
+
+    Its parameters are replicated over the mesh; its input is taken as this rank's slice of
+    the sequence (``Shard(sequence_dim)``), and its forward runs on DTensors through the op
+    rules, so the parameters' gradients come out as partial sums that are reduced for them.
+    The output stays a DTensor unless ``use_local_output``.
+
+    Example:
+        >>> parallelize_module(block, mesh["tp"], {"ln1": SequenceParallel()})
+    """
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False):
+        self.sequence_dim = sequence_dim
+        self.use_local_output = use_local_output
+
+    def _apply(self, module, mesh, tied):
+        for sub in module.modules():
+            for name in list(sub._parameters):
+                _distribute(sub, name, mesh, Replicate(), tied)
+        seq = Shard(self.sequence_dim)
+        module.register_forward_pre_hook(
+            lambda _, args: (_as_input(args[0], mesh, seq, seq), *args[1:])
+        )
+        local = self.use_local_output
+        module.register_forward_hook(lambda _, __, y: _as_output(y, mesh, None, None, local))
+
+
+# --------------------------------------------------------------------------- layouts only
+def _layouts(value, name: str, style: str) -> tuple | None:
+    if value is None:
+        return None
+    if isinstance(value, (tuple, list)):
+        return tuple(_layout(p, name, style) for p in value)
+    return (_layout(value, name, style),)
+
+
+class PrepareModuleInput(ParallelStyle):
+    """Redistribute a module's positional inputs from ``input_layouts`` to
+    ``desired_input_layouts`` (one entry per input; ``None`` leaves that input alone).
+
+    Example:
+        >>> PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts=None,
+        desired_input_layouts=None,
+        input_kwarg_layouts=None,
+        desired_input_kwarg_layouts=None,
+        use_local_output: bool = False,
+    ):
+        style = "PrepareModuleInput"
+        self.input_layouts = _layouts(input_layouts, "input_layouts", style)
+        self.desired_input_layouts = _layouts(desired_input_layouts, "desired_input_layouts", style)
+        self.input_kwarg_layouts = dict(input_kwarg_layouts or {})
+        self.desired_input_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
+        self.use_local_output = use_local_output
+        if (self.input_layouts is None) != (self.desired_input_layouts is None) or (
+            self.input_layouts is not None
+            and len(self.input_layouts) != len(self.desired_input_layouts)
+        ):
+            raise ValueError(
+                f"{style}: input_layouts {self.input_layouts} and desired_input_layouts "
+                f"{self.desired_input_layouts} must have one entry each per input."
+            )
+        if set(self.input_kwarg_layouts) != set(self.desired_input_kwarg_layouts):
+            raise ValueError(
+                f"{style}: input_kwarg_layouts and desired_input_kwarg_layouts must name the "
+                f"same keyword arguments, got {sorted(self.input_kwarg_layouts)} and "
+                f"{sorted(self.desired_input_kwarg_layouts)}."
+            )
+
+    def _convert(self, x, mesh, layout, desired):
+        if layout is None or not isinstance(x, torch.Tensor):
+            return x
+        dt = _as_input(x, mesh, layout, desired)
+        return dt.to_local() if self.use_local_output else dt
+
+    def _apply(self, module, mesh, tied):
+        def pre_hook(_, args, kwargs):
+            args = list(args)
+            if self.input_layouts is not None:
+                if len(args) < len(self.input_layouts):
+                    raise ValueError(
+                        f"PrepareModuleInput on {type(module).__name__}: expected at least "
+                        f"{len(self.input_layouts)} positional inputs, got {len(args)}."
+                    )
+                for i, (lay, want) in enumerate(
+                    zip(self.input_layouts, self.desired_input_layouts, strict=True)
+                ):
+                    args[i] = self._convert(args[i], mesh, lay, want)
+            for key, lay in self.input_kwarg_layouts.items():
+                if key in kwargs:
+                    want = _layout(self.desired_input_kwarg_layouts[key], key, "PrepareModuleInput")
+                    kwargs[key] = self._convert(kwargs[key], mesh, _layout(lay, key, ""), want)
+            return tuple(args), kwargs
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+
+class PrepareModuleOutput(ParallelStyle):
+    """Redistribute a module's outputs from ``output_layouts`` to ``desired_output_layouts``.
+
+    Example:
+        >>> PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),))
+    """
+
+    def __init__(self, *, output_layouts, desired_output_layouts, use_local_output: bool = True):
+        style = "PrepareModuleOutput"
+        self.output_layouts = _layouts(output_layouts, "output_layouts", style)
+        self.desired_output_layouts = _layouts(
+            desired_output_layouts, "desired_output_layouts", style
+        )
+        self.use_local_output = use_local_output
+        if len(self.output_layouts) != len(self.desired_output_layouts):
+            raise ValueError(
+                f"{style}: output_layouts and desired_output_layouts must have one entry each "
+                f"per output, got {len(self.output_layouts)} and "
+                f"{len(self.desired_output_layouts)}."
+            )
+
+    def _apply(self, module, mesh, tied):
+        def hook(_, __, out):
+            single = not isinstance(out, (tuple, list))
+            outs = (out,) if single else tuple(out)
+            if len(outs) != len(self.output_layouts):
+                raise ValueError(
+                    f"PrepareModuleOutput on {type(module).__name__}: the module returned "
+                    f"{len(outs)} outputs but output_layouts has {len(self.output_layouts)}."
+                )
+            new = tuple(
+                _as_output(y, mesh, lay, want, self.use_local_output)
+                for y, lay, want in zip(outs, self.output_layouts, self.desired_output_layouts)
+            )
+            return new[0] if single else type(out)(new)
+
+        module.register_forward_hook(hook)
