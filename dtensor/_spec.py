@@ -51,8 +51,13 @@ class DTensorSpec:
 
     @property
     def has_strided(self) -> bool:
-        """Whether some mesh dim shards inside another's shard (``_StridedShard``)."""
-        return any(isinstance(p, _StridedShard) for p in self.placements)
+        """Whether some mesh dim shards inside another's shard (``_StridedShard``); computed
+        once per spec, since dispatch asks for every DTensor argument of every op."""
+        found = self.__dict__.get("_strided")
+        if found is None:
+            found = any(isinstance(p, _StridedShard) for p in self.placements)
+            object.__setattr__(self, "_strided", found)
+        return found
 
     def is_replicated(self) -> bool:
         return all(p.is_replicate() for p in self.placements)
@@ -79,6 +84,7 @@ class DTensorSpec:
         # The cached hash is per process (str hashes are salted): never carry it along.
         state = dict(self.__dict__)
         state.pop("_hash", None)
+        state.pop("_strided", None)
         return state
 
 
