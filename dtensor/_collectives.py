@@ -13,8 +13,9 @@ plus copies inside torch) are slower on this project's CPU machines than an all-
 padded rows: an all-gather sends our row to every peer (the row repeated once per rank) and
 a reduce-scatter sends each peer its row and sums what comes back, in rank order. The
 measurements are in docs/dtensor.md. ``all_gather_rows`` and ``reduce_rows`` are those two
-forms (a real all-gather / reduce-scatter on NCCL); DTensor's redistribution and fsdp2's
-grouped collectives both use them.
+forms (a real all-gather / reduce-scatter on NCCL); fsdp2's grouped collectives use them.
+DTensor's own all-gather and sum reduce-scatter on gloo go point to point instead ([Note:
+DTensor's collectives on gloo]).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dtensor import debug
-from dtensor.placement import NormPartial, Partial, chunk_sizes, padded_chunk_size
+from dtensor.placement import NormPartial, Partial, chunk_offsets, chunk_sizes, padded_chunk_size
 
 # torch 2.13 prefers the *_single names; older releases only have *_tensor.
 
@@ -198,6 +199,12 @@ def all_gather(
     group = mesh.get_group(mesh_dim)
     k = mesh.size(mesh_dim)
     pad = padded_chunk_size(full_size, k)
+    if backend_is_gloo(group):
+        row_bytes = pad * (local.numel() // max(local.size(tensor_dim), 1)) * local.element_size()
+        debug.record("all_gather", _dim_label(mesh, mesh_dim), k, row_bytes)
+        sizes = chunk_sizes(full_size, k)
+        done = _gather_blocks(local, group, mesh.get_local_rank(mesh_dim), tensor_dim, sizes)
+        return done if async_op else Pending.ready(done.wait())
     x = _pad_dim0(local.movedim(tensor_dim, 0), pad)  # (pad, ...)
     row = x.reshape(1, -1)
     rows = row.expand(k, -1).contiguous() if backend_is_gloo(group) else row
@@ -238,6 +245,12 @@ def reduce_scatter(
     full = local.size(tensor_dim)
     sizes = chunk_sizes(full, k)
     pad = padded_chunk_size(full, k)
+    if backend_is_gloo(group) and type(partial) is Partial and partial.reduce_op in ("sum", "avg"):
+        nbytes = k * pad * (local.numel() // max(full, 1)) * local.element_size()
+        debug.record("reduce_scatter", _dim_label(mesh, mesh_dim), k, nbytes)
+        divide_by = float(k) if partial.reduce_op == "avg" else 1.0
+        done = _reduce_blocks(local, group, idx, tensor_dim, sizes, divide_by)
+        return done if async_op else Pending.ready(done.wait())
     moved = local.movedim(tensor_dim, 0)
     blocks = [_pad_dim0(moved.narrow(0, sum(sizes[:i]), s), pad) for i, s in enumerate(sizes)]
     stacked = torch.cat(blocks)  # (k * pad, rest...)
@@ -250,6 +263,84 @@ def reduce_scatter(
         return out[: sizes[idx]].movedim(0, tensor_dim).contiguous()
 
     return Pending(None, finish) if async_op else Pending.ready(finish())
+
+
+# --------------------------------------------------------------------------- gloo: blocks
+# [Note: DTensor's collectives on gloo] A redistribution's all-gather and sum reduce-scatter
+# exchange each rank's block point to point, in the tensor's own layout: no padding, no
+# repeated rows, and the long-lived result is allocated before the buffers that die with the
+# call (so freeing them leaves no hole under it; activations go through here every step).
+# The reduction adds the ranks' blocks in rank order, as ``combine_rows`` does. Tags sit
+# above fsdp2's (below ``1 << 25``), so the two never match each other's messages.
+_BLOCK_TAG = 1 << 25
+
+
+def _exchange(group, idx: int, k: int, send_to, recv_from) -> list:
+    """Post one message per peer of the ``k`` ranks: ``send_to(j)`` goes to rank ``j``, and
+    rank ``j``'s lands in ``recv_from(j)``. Blocks with no elements are not sent."""
+    works = []
+    for step in range(1, k):
+        src = (idx - step) % k
+        into = recv_from(src)
+        if into.numel():
+            works.append(group.recv([into], src, _BLOCK_TAG))
+    for step in range(1, k):
+        dst = (idx + step) % k
+        block = send_to(dst)
+        if block.numel():
+            works.append(group.send([block], dst, _BLOCK_TAG))
+    return works
+
+
+def _block_shape(local: torch.Tensor, dim: int, size: int) -> list[int]:
+    shape = list(local.shape)
+    shape[dim] = size
+    return shape
+
+
+def _gather_blocks(local, group, idx: int, dim: int, sizes: list[int]) -> Pending:
+    """All-gather of the ``torch.chunk`` blocks of ``dim`` (``local`` is block ``idx``)."""
+    send = local.contiguous()
+    full = torch.empty(_block_shape(local, dim, sum(sizes)), dtype=local.dtype, device=local.device)
+    if dim == 0:  # each block is a contiguous run of the result: receive in place
+        blocks = list(full.split(sizes, 0))
+        blocks[idx].copy_(send)
+    else:
+        blocks = [
+            send if j == idx else local.new_empty(_block_shape(local, dim, s))
+            for j, s in enumerate(sizes)
+        ]
+    works = _exchange(group, idx, len(sizes), lambda j: send, lambda j: blocks[j])
+
+    def finish() -> torch.Tensor:
+        for work in works:
+            work.wait()
+        if dim != 0:
+            torch.cat(blocks, dim=dim, out=full)
+        return full
+
+    return Pending(None, finish)
+
+
+def _reduce_blocks(local, group, idx: int, dim: int, sizes: list[int], divide_by: float):
+    """Sum reduce-scatter: rank ``j`` gets the rank-ordered sum of every rank's block ``j``
+    of ``dim``, divided by ``divide_by``."""
+    offsets = chunk_offsets(sum(sizes), len(sizes))
+    shape = _block_shape(local, dim, sizes[idx])
+    out = local.new_empty(shape)
+    recv = [None if j == idx else local.new_empty(shape) for j in range(len(sizes))]
+    blocks = [local.narrow(dim, o, s) for o, s in zip(offsets, sizes)]
+    sends = [b if j == idx else b.contiguous() for j, b in enumerate(blocks)]
+    works = _exchange(group, idx, len(sizes), lambda j: sends[j], lambda j: recv[j])
+
+    def finish() -> torch.Tensor:
+        for work in works:
+            work.wait()
+        parts = [sends[idx] if j == idx else recv[j] for j in range(len(sizes))]
+        sum_into(out, parts)
+        return out.div_(divide_by) if divide_by != 1 else out
+
+    return Pending(None, finish)
 
 
 def _row_reduction(rows: torch.Tensor, partial: Partial, k: int):

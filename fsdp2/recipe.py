@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 
 from device_mesh import DeviceMesh, as_device_mesh
@@ -32,7 +33,7 @@ def parallelize_transformer(
     tp_plan: dict | None = None,
     blocks=None,
     activation_checkpointing: bool = False,
-    compile: bool = False,
+    compile: bool | str = False,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool | None = None,
 ) -> nn.Module:
@@ -42,12 +43,15 @@ def parallelize_transformer(
     ``"dp"`` / ``"dp_shard"`` alone (FSDP), and ``"tp"`` (tensor parallelism with
     ``tp_plan``, a ``parallelize_module`` plan). ``blocks`` are the transformer blocks
     (default: ``model.blocks`` or ``model.layers``); each is checkpointed, compiled and
-    sharded on its own.
+    sharded on its own. ``compile=True`` compiles each block with ``torch.compile``'s
+    default backend; a string names another backend (``"aot_eager"``).
 
     Raises:
         ValueError: an unknown dim name, a "tp" dim without a plan, or - when the model's
             config (``model.cfg`` / ``model.config``) names them - heads or width not
             divisible by the tensor-parallel size. Raised before anything changes.
+        NotImplementedError: ``compile`` together with a "tp" dim (DTensor is not
+            traceable yet).
 
     Example:
         >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -67,6 +71,12 @@ def parallelize_transformer(
         if not tp_plan:
             raise ValueError(f"{_API}: the mesh has a 'tp' dim of size {tp_size} but no tp_plan.")
         _check_divisible(model, tp_size)
+        if compile:
+            raise NotImplementedError(
+                f"{_API}: compile={compile!r} with a 'tp' dim of size {tp_size}: torch.compile "
+                "cannot trace this library's DTensor yet, so tensor-parallel blocks run eager. "
+                "Pass compile=False, or compile a layout without a 'tp' dim."
+            )
     dp = tuple(n for n in names if n != "tp")
     # 1. tensor parallelism
     if tp_size > 1:
@@ -79,8 +89,9 @@ def parallelize_transformer(
             from torch.distributed._composable import checkpoint
 
             checkpoint(block)
-        if compile:
-            block.compile()
+        if compile:  # the forward only: FSDP's and checkpointing's hooks stay eager
+            kw = {"backend": compile} if isinstance(compile, str) else {}
+            block.forward = torch.compile(block.forward, **kw)
     # 4. FSDP / HSDP
     if dp:
         dp_mesh = mesh[dp]

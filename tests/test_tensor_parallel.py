@@ -48,6 +48,7 @@ LAYOUTS = {
     "fsdp2_tp2": ((2, 2), ("dp", "tp")),
     "hsdp2x1_tp2": ((2, 1, 2), ("dp_replicate", "dp_shard", "tp")),
     "hsdp2x2": ((2, 2), ("dp_replicate", "dp_shard")),
+    "fsdp2": ((2,), ("dp",)),
 }
 
 
@@ -255,6 +256,98 @@ def test_tp_gradients_with_biases(ws):
     run_on_ranks(ws, _gradients_with_biases)
 
 
+# ------------------------------------------------------------------------- recipe from meta
+def _recipe_from_meta(layout, compile):
+    """``parallelize_transformer`` on a meta-device model, then ``to_empty`` and
+    ``reset_parameters``: the sharded init draws one process's values, and training matches."""
+    from fsdp2 import parallelize_transformer
+
+    cfg = _cfg()
+    shape, names = LAYOUTS[layout]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    parallelize_transformer(model, mesh, tp_plan=tp_plan(), compile=compile)
+    model.to_empty(device="cpu")
+    torch.manual_seed(5)
+    model.reset_parameters()
+    ref = GPT(cfg)
+    torch.manual_seed(5)
+    ref.reset_parameters()
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.device_mesh.mesh_dim_names == names, name
+        assert torch.equal(p.full_tensor(), ref_params[name].detach()), name
+    index, n_dp = _dp_index(mesh, names)
+    batches = _batches(n_dp)
+    # every gradient is laid out like its parameter (replicated ones summed once), though
+    # to_empty() put new Parameter objects in place after parallelizing
+    x, y = batches[0]
+    rows = slice(index * ROWS, (index + 1) * ROWS)
+    gpt_loss(model, x[rows], y[rows]).backward()
+    for name, p in model.named_parameters():
+        assert p.grad.placements == p.placements, (name, p.grad.placements)
+    model.zero_grad(set_to_none=True)
+    losses = _train(model, batches, index, clip=torch.nn.utils.clip_grad_norm_)
+    if compile:  # the blocks really ran compiled
+        from torch._dynamo.utils import counters
+
+        assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
+    ref_losses = _train(ref, batches, None, clip=torch.nn.utils.clip_grad_norm_)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(
+            p.full_tensor(), ref_params[name].detach(), rtol=RTOL, atol=ATOL, msg=name
+        )
+
+
+@pytest.mark.parametrize("layout", ["tp2", "fsdp2_tp2"])
+def test_recipe_on_meta_device_initializes_and_trains_like_one_process(layout):
+    shape, _ = LAYOUTS[layout]
+    run_on_ranks(int(torch.tensor(shape).prod()), _recipe_from_meta, layout=layout, compile=False)
+
+
+def test_recipe_compiles_blocks_under_fsdp():
+    """Per-block ``torch.compile`` in the recipe (backend ``aot_eager``: inductor's C++
+    compile takes minutes on this machine), FSDP at 2: the same init and training."""
+    run_on_ranks(2, _recipe_from_meta, layout="fsdp2", compile="aot_eager", timeout_s=300)
+
+
+# ------------------------------------------------------------------------- src_data_rank
+def _src_data_rank():
+    ws = dist.get_world_size()
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",))
+
+    def rank_model(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
+
+    plan = {"0": ColwiseParallel(), "1": RowwiseParallel()}
+    for src in (0, 1):  # every rank ends up with rank src's values
+        model = parallelize_module(rank_model(rank), mesh, plan, src_data_rank=src)
+        want = rank_model(src)
+        for (name, p), q in zip(model.named_parameters(), want.parameters()):
+            assert torch.equal(p.full_tensor(), q.detach()), (src, name)
+    # None: no communication; each rank keeps its own slice of its own values
+    with CommDebugMode() as comm:
+        model = parallelize_module(rank_model(rank), mesh, plan, src_data_rank=None)
+    assert comm.get_total_counts() == 0
+    mine = rank_model(rank)
+    w0 = model[0].weight.to_local()
+    assert torch.equal(w0, mine[0].weight.detach().chunk(ws, 0)[rank])
+    assert torch.equal(model[1].bias.to_local(), mine[1].bias.detach())
+    _raises(
+        ValueError,
+        r"src_data_rank must be in \[0, 2\) or None, got 2",
+        lambda: parallelize_module(rank_model(0), mesh, plan, src_data_rank=2),
+    )
+
+
+def test_src_data_rank_picks_whose_values_are_distributed():
+    run_on_ranks(2, _src_data_rank)
+
+
 # ------------------------------------------------------------------------- loss_parallel
 def _loss_parallel():
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
@@ -399,6 +492,13 @@ def _errors():
         ValueError,
         r"dim=27 .* not divisible by the tensor-parallel size 2",
         lambda: parallelize_transformer(_model(_cfg(dim=27, n_heads=3)), mesh, tp_plan=tp_plan()),
+    )
+    _raises(
+        NotImplementedError,
+        r"compile='aot_eager' with a 'tp' dim of size 2: torch.compile cannot trace",
+        lambda: parallelize_transformer(
+            _model(_cfg()), mesh, tp_plan=tp_plan(), compile="aot_eager"
+        ),
     )
     # a 2-D mesh without dim names
     unnamed = init_device_mesh("cpu", (2, 2))

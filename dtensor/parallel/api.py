@@ -9,13 +9,19 @@ import logging
 from torch import nn
 
 from device_mesh import as_device_mesh
-from dtensor.parallel.style import ParallelStyle
+from dtensor.parallel.style import ParallelizeCall, ParallelStyle
 
 logger = logging.getLogger(__name__)
 _API = "parallelize_module"
 
 
-def parallelize_module(module: nn.Module, device_mesh=None, parallelize_plan=None, **kwargs):
+def parallelize_module(
+    module: nn.Module,
+    device_mesh=None,
+    parallelize_plan=None,
+    *,
+    src_data_rank: int | None = 0,
+):
     """Lay ``module`` out over the 1-D tensor-parallel ``device_mesh`` as ``parallelize_plan``
     says, in place; returns ``module``.
 
@@ -25,13 +31,17 @@ def parallelize_module(module: nn.Module, device_mesh=None, parallelize_plan=Non
     that matches no module is an error naming the closest real path, and a style given a
     module type it does not support names the type.
 
+    ``src_data_rank`` (default 0) is the mesh rank whose parameter values every rank gets
+    (its shards are scattered, its replicated parameters broadcast), so ranks that built the
+    module with different seeds still agree. ``None`` skips that communication: each rank
+    keeps its own values' slice (right when every rank built the same values, or will
+    initialize after parallelizing). Parameters on the meta device are never communicated.
+
     Example:
         >>> mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
         >>> parallelize_module(model, mesh, {"blocks.*.mlp.fc": ColwiseParallel(),
         ...                                  "blocks.*.mlp.out": RowwiseParallel()})
     """
-    if kwargs:
-        raise TypeError(f"{_API}: unexpected keyword arguments {sorted(kwargs)}.")
     if not isinstance(module, nn.Module):
         raise TypeError(f"{_API}: module must be an nn.Module, got {type(module).__name__}.")
     if device_mesh is None:
@@ -44,15 +54,24 @@ def parallelize_module(module: nn.Module, device_mesh=None, parallelize_plan=Non
             f"{_API}: device_mesh must be 1-D (the tensor-parallel dim), got a {mesh.ndim}-D "
             f"mesh of shape {mesh.shape}. Pass a 1-D slice{hint}."
         )
+    if src_data_rank is not None and (
+        isinstance(src_data_rank, bool)
+        or not isinstance(src_data_rank, int)
+        or not 0 <= src_data_rank < mesh.size()
+    ):
+        raise ValueError(
+            f"{_API}: src_data_rank must be in [0, {mesh.size()}) or None, got "
+            f"{src_data_rank!r}: the rank of the tensor-parallel mesh whose values are sent."
+        )
     if parallelize_plan is None:
         logger.warning("%s: no parallelize_plan given; nothing to do", _API)
         return module
     targets = _resolve(module, parallelize_plan)
     for path, sub, style in targets:
         style._check(sub, path)
-    tied: dict = {}
+    call = ParallelizeCall(src_data_rank)
     for _, sub, style in targets:
-        style._apply(sub, mesh, tied)
+        style._apply(sub, mesh, call)
     return module
 
 

@@ -32,12 +32,25 @@ from dtensor.placement import Placement, Replicate, Shard, chunk_sizes, format_p
 from dtensor.tensor import DTensor, redistribute_dtensor
 
 
+class ParallelizeCall:
+    """What the styles of one ``parallelize_module`` call share.
+
+    ``src_data_rank``: the rank whose values every parameter takes (scattered or broadcast
+    from it), or None for each rank slicing its own values without communicating.
+    ``done``: the id of every parameter already distributed, to its replacement, so a tied
+    weight is distributed once and every module that holds it gets the same parameter.
+    """
+
+    def __init__(self, src_data_rank: int | None = 0) -> None:
+        self.src_data_rank = src_data_rank
+        self.done: dict[int, nn.Parameter] = {}
+
+
 class ParallelStyle:
     """Base class of the styles ``parallelize_module`` applies.
 
     A subclass sets ``supported`` (module types; empty means any) and implements
-    ``_apply(module, mesh, tied)``, where ``tied`` maps the id of every parameter already
-    distributed by this ``parallelize_module`` call to its replacement.
+    ``_apply(module, mesh, call)``, where ``call`` is the ``ParallelizeCall`` in progress.
     """
 
     supported: tuple = ()
@@ -53,7 +66,7 @@ class ParallelStyle:
                 "PrepareModuleOutput/SequenceParallel for this module."
             )
 
-    def _apply(self, module: nn.Module, mesh, tied: dict) -> None:
+    def _apply(self, module: nn.Module, mesh, call: ParallelizeCall) -> None:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -78,13 +91,15 @@ def _layout(p, name: str, style: str, default: Placement | None = None):
     return p
 
 
-def _distribute(module: nn.Module, name: str, mesh, placement: Placement, tied: dict) -> None:
+def _distribute(
+    module: nn.Module, name: str, mesh, placement: Placement, call: ParallelizeCall
+) -> None:
     """Replace ``module.<name>`` by a DTensor parameter laid out as ``placement``."""
     param = module._parameters[name]
     if param is None:
         return
-    if id(param) in tied:
-        param = tied[id(param)]
+    if id(param) in call.done:
+        param = call.done[id(param)]
     if isinstance(param, DTensor):
         if param.placements != (placement,) or param.device_mesh != mesh:
             raise ValueError(
@@ -96,22 +111,42 @@ def _distribute(module: nn.Module, name: str, mesh, placement: Placement, tied: 
             )
         module._parameters[name] = param
         return
-    src = None if param.device.type == "meta" else 0
+    src = None if param.device.type == "meta" else call.src_data_rank
     dt = distribute_tensor(param.detach(), mesh, (placement,), src_data_rank=src)
     new = nn.Parameter(dt, requires_grad=param.requires_grad)
-    if new.requires_grad and placement.is_replicate():
-        new.register_post_accumulate_grad_hook(_settle_grad)
-    tied[id(param)] = new
+    if placement.is_replicate():
+        _settle_before_forward(module, name)
+    call.done[id(param)] = new
     module._parameters[name] = new
 
 
 def _settle_grad(param) -> None:
     """A replicated parameter used on sequence shards (norm weights, a row-parallel bias
     before a sequence-sharded output) gets partial-sum gradients; sum them once here, so
-    every ``.grad`` is laid out like its parameter and the optimizer reduces nothing."""
+    every ``.grad`` is laid out like its parameter and the optimizer and clipping reduce
+    nothing (they would all-reduce it again at every op that reads it)."""
     grad = param.grad
     if isinstance(grad, DTensor) and grad.placements != param.placements:
         param.grad = redistribute_dtensor(grad, param.placements)
+
+
+def _settle_before_forward(module: nn.Module, name: str) -> None:
+    """Give ``module.<name>`` the ``_settle_grad`` hook, checked again before every
+    forward: ``to_empty()`` after building on the meta device (or a ``load_state_dict`` with
+    ``assign=True``) puts new ``Parameter`` objects in place, without the old one's hooks."""
+    names = module.__dict__.setdefault("_tp_settled_names", [])
+    if not names:
+        module.register_forward_pre_hook(_hook_replicated_params)
+    if name not in names:
+        names.append(name)
+
+
+def _hook_replicated_params(module: nn.Module, args) -> None:
+    for name in module._tp_settled_names:
+        param = module._parameters.get(name)
+        if param is not None and param.requires_grad and not getattr(param, "_tp_settles", False):
+            param.register_post_accumulate_grad_hook(_settle_grad)
+            param._tp_settles = True
 
 
 def _as_input(x, mesh, layout, desired):
@@ -209,13 +244,13 @@ class ColwiseParallel(ParallelStyle):
                 "RowwiseParallel."
             )
 
-    def _apply(self, module, mesh, tied):
+    def _apply(self, module, mesh, call):
         if isinstance(module, nn.Linear):
-            _distribute(module, "weight", mesh, Shard(0), tied)
-            _distribute(module, "bias", mesh, Shard(0), tied)
+            _distribute(module, "weight", mesh, Shard(0), call)
+            _distribute(module, "bias", mesh, Shard(0), call)
             _set_forward(module, _compute.colwise_linear)
         else:
-            _distribute(module, "weight", mesh, Shard(1), tied)
+            _distribute(module, "weight", mesh, Shard(1), call)
             _set_forward(module, _compute.colwise_embedding)
         layout = self.input_layouts
         module.register_forward_pre_hook(
@@ -258,14 +293,14 @@ class RowwiseParallel(ParallelStyle):
                 "use ColwiseParallel for it."
             )
 
-    def _apply(self, module, mesh, tied):
+    def _apply(self, module, mesh, call):
         out, local = self.output_layouts, self.use_local_output
         if isinstance(module, nn.Linear):
-            _distribute(module, "weight", mesh, Shard(1), tied)
-            _distribute(module, "bias", mesh, Replicate(), tied)
+            _distribute(module, "weight", mesh, Shard(1), call)
+            _distribute(module, "bias", mesh, Replicate(), call)
             fn, layout, desired = _compute.rowwise_linear, Shard(-1), Shard(-1)
         else:
-            _distribute(module, "weight", mesh, Shard(0), tied)
+            _distribute(module, "weight", mesh, Shard(0), call)
             fn, layout, desired = _compute.rowwise_embedding, Replicate(), Replicate()
         layout = self.input_layouts or layout
         module.forward = functools.partial(fn, module, output_layout=out)
@@ -292,10 +327,10 @@ class SequenceParallel(ParallelStyle):
         self.sequence_dim = sequence_dim
         self.use_local_output = use_local_output
 
-    def _apply(self, module, mesh, tied):
+    def _apply(self, module, mesh, call):
         for sub in module.modules():
             for name in list(sub._parameters):
-                _distribute(sub, name, mesh, Replicate(), tied)
+                _distribute(sub, name, mesh, Replicate(), call)
         seq = Shard(self.sequence_dim)
         module.register_forward_pre_hook(
             lambda _, args: (_as_input(args[0], mesh, seq, seq), *args[1:])
@@ -357,7 +392,7 @@ class PrepareModuleInput(ParallelStyle):
         dt = _as_input(x, mesh, layout, desired)
         return dt.to_local() if self.use_local_output else dt
 
-    def _apply(self, module, mesh, tied):
+    def _apply(self, module, mesh, call):
         def pre_hook(_, args, kwargs):
             args = list(args)
             if self.input_layouts is not None:
@@ -400,7 +435,7 @@ class PrepareModuleOutput(ParallelStyle):
                 f"{len(self.desired_output_layouts)}."
             )
 
-    def _apply(self, module, mesh, tied):
+    def _apply(self, module, mesh, call):
         def hook(_, __, out):
             single = not isinstance(out, (tuple, list))
             outs = (out,) if single else tuple(out)
