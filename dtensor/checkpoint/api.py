@@ -1,0 +1,345 @@
+"""``save`` and ``load``: sharded state dicts to a checkpoint directory and back, any layout.
+
+Save, on every rank of the group::
+
+    1. flatten the state dict; describe the block each tensor holds here   (planner)
+    2. exchange descriptions; choose one writer per distinct block        (one all_gather)
+    3. write this rank's blocks into <dir>.partial-<token>/rank-NNNNN.safetensors, fsync
+    4. exchange byte ranges and CRCs; rank 0 writes metadata.json, fsyncs, renames the
+       partial directory to <dir>                                         (two all_gathers)
+
+A crash before step 4's rename leaves ``<dir>`` as it was. Load, on every rank::
+
+    1. parse metadata.json (checked as hostile input); match keys, shapes and kinds
+    2. for each tensor, intersect the block this rank holds with the saved chunks
+    3. check the headers and CRCs of exactly the chunks it will read; share the problems
+    4. only when every rank found none: copy the overlaps into the caller's tensors
+
+so a damaged checkpoint raises on every rank before anything in the state dict changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from dtensor.checkpoint._comm import Group
+from dtensor.checkpoint._flatten import decode_value, encode_value, flatten, set_path
+from dtensor.checkpoint.errors import CheckpointError
+from dtensor.checkpoint.metadata import (
+    METADATA_FILE,
+    Chunk,
+    FileEntry,
+    Metadata,
+    TensorEntry,
+    parse_metadata,
+)
+from dtensor.checkpoint.planner import LocalItem, assign_writers, local_item, read_plan
+from dtensor.checkpoint.storage import DataFile, write_file
+
+logger = logging.getLogger(__name__)
+
+
+def save(state_dict: Mapping, *, checkpoint_id: str | os.PathLike, process_group=None) -> None:
+    """Write ``state_dict`` (nested dicts of DTensors, tensors and plain values) to a directory.
+
+    Every rank of ``process_group`` (default: the world, or just this process when no group
+    is initialized) calls it with its own shards. An existing checkpoint at ``checkpoint_id``
+    is replaced only once the new one is complete.
+
+    Example::
+
+        >>> from dtensor import checkpoint as dcp
+        >>> dcp.save({"model": model.state_dict(), "step": 10}, checkpoint_id="ckpt/step-10")
+    """
+    group = Group.of(process_group)
+    snapshot = _snapshot(state_dict, group)
+    _write(snapshot, Path(checkpoint_id), group)
+
+
+class _Snapshot:
+    """What a rank will write: its tensor blocks (as CPU tensors) and the encoded values."""
+
+    def __init__(self, items: dict[str, LocalItem], values: dict[str, object]) -> None:
+        self.items = items
+        self.values = values
+
+
+def _snapshot(state_dict: Mapping, group: Group, *, copy: bool = False) -> _Snapshot:
+    problems, items, values = [], {}, {}
+    try:
+        for key, (_, leaf) in sorted(flatten(state_dict).items()):
+            if key == "__metadata__":
+                raise CheckpointError("'__metadata__' is reserved by safetensors; rename that key")
+            if isinstance(leaf, torch.Tensor):
+                item = local_item(key, leaf.detach(), for_save=True)
+                local = item.local.detach()
+                if local.device.type != "cpu" or copy:
+                    local = local.to("cpu", copy=True)
+                item.local = local.contiguous()
+                items[key] = item
+            else:
+                values[key] = encode_value(key, leaf)
+    except CheckpointError as e:
+        problems.append(str(e))
+    group.agree(problems)
+    return _Snapshot(items, values)
+
+
+def _write(snap: _Snapshot, final: Path, group: Group) -> None:
+    token, problems = None, []
+    if group.rank == 0:
+        token = uuid.uuid4().hex[:12]
+        try:
+            _check_target(final)
+            _partial_dir(final, token).mkdir(parents=True)
+        except (OSError, CheckpointError) as e:
+            problems.append(f"cannot prepare {final}: {e}")
+    gathered = group.agree(problems, {"token": token, "items": {k: i.describe() for k, i in snap.items.items()},
+                                      "values": snap.values})  # fmt: skip
+    token = gathered[0]["token"]
+    partial = _partial_dir(final, token)
+    try:
+        entries, writes = assign_writers([g["items"] for g in gathered])
+    except CheckpointError as e:
+        _discard(partial, group)
+        raise e
+    written, problems = _write_my_file(snap, writes[group.rank], partial, group.rank)
+    reports = _agree_or_discard(group, problems, written, partial)
+    problems = []
+    if group.rank == 0:
+        try:
+            md = _metadata(entries, reports, gathered)
+            _commit(md, partial, final)
+        except (OSError, CheckpointError) as e:
+            problems.append(f"cannot commit {final}: {e}")
+            shutil.rmtree(partial, ignore_errors=True)
+    group.agree(problems)
+    logger.info("saved %d tensors to %s", len(entries), final)
+
+
+def _write_my_file(snap: _Snapshot, mine: list, partial: Path, rank: int):
+    if not mine:
+        return None, []
+    name = f"rank-{rank:05d}.safetensors"
+    blocks = []
+    for key, box in mine:
+        item = snap.items[key]
+        blocks.append((key, item.local))
+        if item.box != box:  # cannot happen: a writer is chosen among the ranks holding the box
+            return None, [f"internal: rank {rank} asked to write {key!r} {box}, holds {item.box}"]
+    try:
+        entry, spans = write_file(partial / name, blocks)
+    except OSError as e:
+        return None, [f"cannot write {partial / name}: {e}"]
+    boxes = {key: [list(box[0]), list(box[1])] for key, box in mine}
+    report = {
+        "file": name,
+        "entry": [entry.bytes, entry.header_end, entry.header_crc32],
+        "chunks": {key: boxes[key] + list(span) for key, span in spans.items()},
+    }
+    return report, []
+
+
+def _agree_or_discard(group: Group, problems, payload, partial: Path) -> list:
+    try:
+        return group.agree(problems, payload)
+    except CheckpointError:
+        if group.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def _discard(partial: Path, group: Group) -> None:
+    if group.rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _metadata(entries, reports: list, gathered: list) -> Metadata:
+    md = Metadata()
+    chunks: dict[str, list[Chunk]] = {key: [] for key in entries}
+    for report in reports:
+        if report is None:
+            continue
+        md.files[report["file"]] = FileEntry(*report["entry"])
+        for key, (offs, sizes, start, end, crc) in report["chunks"].items():
+            chunks[key].append(Chunk(tuple(offs), tuple(sizes), report["file"], start, end, crc))
+    for key, (dtype, shape) in sorted(entries.items()):
+        md.tensors[key] = TensorEntry(
+            dtype, shape, tuple(sorted(chunks[key], key=lambda c: c.offsets))
+        )
+    for doc in reversed(gathered):  # rank 0's values win; other ranks may add keys
+        md.values.update(doc["values"])
+    return md
+
+
+def _partial_dir(final: Path, token: str) -> Path:
+    return final.parent / f".{final.name}.partial-{token}"
+
+
+def _check_target(final: Path) -> None:
+    if final.exists() and not final.is_dir():
+        raise CheckpointError(f"{final} exists and is not a directory")
+    if final.is_dir() and any(final.iterdir()) and not (final / METADATA_FILE).is_file():
+        raise CheckpointError(
+            f"{final} is a non-empty directory that is not a checkpoint; refusing to replace it"
+        )
+
+
+def _commit(md: Metadata, partial: Path, final: Path) -> None:
+    """Write metadata.json last, make everything durable, then swap the directory in."""
+    path = partial / METADATA_FILE
+    with open(path, "w") as f:
+        f.write(md.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(partial)
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{partial.name.rsplit('-', 1)[-1]}"
+        os.rename(final, old)
+    os.rename(partial, final)
+    _fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load(
+    state_dict: dict, *, checkpoint_id: str | os.PathLike, process_group=None, strict: bool = True
+) -> None:
+    """Fill ``state_dict`` in place from a checkpoint, resharding to whatever layout it has.
+
+    Each DTensor receives its own block, read from the saved chunks that overlap it; plain
+    tensors receive the whole tensor; plain values are replaced. With ``strict`` (default),
+    keys the state dict has and the checkpoint lacks, and checkpoint keys missing from the
+    state dict under the same top-level names, are one error listing them all. A shape
+    mismatch is always an error. Nothing is changed unless every rank can load everything.
+
+    Example::
+
+        >>> sd = {"model": model.state_dict()}
+        >>> dcp.load(sd, checkpoint_id="ckpt/step-10")   # model's DTensors now hold the values
+    """
+    group = Group.of(process_group)
+    directory = Path(checkpoint_id)
+    problems, plan = [], None
+    try:
+        md = read_metadata(directory)
+        plan = _load_plan(state_dict, md, strict)
+        _check_sources(directory, md, plan)
+    except (CheckpointError, OSError) as e:
+        problems.append(str(e))
+    group.agree(problems)
+    for path, value in plan.values:
+        set_path(state_dict, path, value)
+    with torch.no_grad():
+        for dest, reads, files in plan.copies:
+            for r in reads:
+                dest[r.dst].copy_(
+                    files[r.chunk.file].tensor(r.chunk, plan.dtypes[id(r.chunk)])[r.src]
+                )
+    logger.info("loaded %d tensors from %s", len(plan.copies), directory)
+
+
+def read_metadata(directory: Path) -> Metadata:
+    """Parse ``directory``'s metadata.json against the files actually present.
+
+    Example::
+
+        >>> read_metadata(Path("ckpt/step-10")).tensors["model.wq.weight"].shape
+        (768, 768)
+    """
+    directory = Path(directory)
+    path = directory / METADATA_FILE
+    if not path.is_file():
+        hint = ""
+        aside = sorted(directory.parent.glob(f".{directory.name}.old-*"))
+        if aside:
+            hint = (
+                f"; a save was interrupted while swapping it in: the previous one is at {aside[-1]}"
+            )
+        raise CheckpointError(f"{directory} is not a checkpoint: it has no {METADATA_FILE}{hint}")
+    if path.stat().st_size > 1 << 30:
+        raise CheckpointError(f"{path} is {path.stat().st_size} bytes; refusing to parse it")
+    on_disk = {
+        p.name: p.stat().st_size for p in directory.iterdir() if p.is_file() and not p.is_symlink()
+    }
+    return parse_metadata(path.read_bytes(), on_disk)
+
+
+class _LoadPlan:
+    def __init__(self) -> None:
+        self.values: list[tuple[tuple, object]] = []
+        self.copies: list[tuple[torch.Tensor, list, dict]] = []
+        self.dtypes: dict[int, str] = {}
+        self.needed: dict[str, list] = {}  # file -> [(key, chunk, dtype)]
+
+
+def _load_plan(state_dict: Mapping, md: Metadata, strict: bool) -> _LoadPlan:
+    plan, missing, mismatched = _LoadPlan(), [], []
+    flat = flatten(state_dict)
+    for key, (path, leaf) in sorted(flat.items()):
+        if isinstance(leaf, torch.Tensor):
+            entry = md.tensors.get(key)
+            if entry is None:
+                (mismatched if key in md.values else missing).append(key)
+                continue
+            item = local_item(key, leaf, for_save=False)
+            if item.shape != entry.shape:
+                mismatched.append(
+                    f"{key} (checkpoint {list(entry.shape)}, state dict {list(item.shape)})"
+                )
+                continue
+            reads = read_plan(entry, item.box)
+            for r in reads:
+                plan.dtypes[id(r.chunk)] = entry.dtype
+                plan.needed.setdefault(r.chunk.file, []).append((key, r.chunk, entry.dtype))
+            plan.copies.append((item.local, reads, {}))
+        elif key in md.values:
+            plan.values.append((path, decode_value(md.values[key])))
+        else:
+            (mismatched if key in md.tensors else missing).append(key)
+    roots = {str(path[0]) for path, _ in flat.values()}
+    unexpected = [k for k in sorted(md.tensors.keys() | md.values.keys())
+                  if k not in flat and k.split(".", 1)[0] in roots]  # fmt: skip
+    lines = []
+    if mismatched:
+        lines.append("mis-shaped or of the wrong kind: " + ", ".join(mismatched))
+    if strict and missing:
+        lines.append("missing from the checkpoint: " + ", ".join(missing))
+    if strict and unexpected:
+        lines.append("in the checkpoint but not in the state dict: " + ", ".join(unexpected))
+    if lines:
+        hint = "" if mismatched else " (pass strict=False to load the keys that match)"
+        raise CheckpointError(
+            "the state dict does not match the checkpoint" + hint + ":\n" + "\n".join(lines)
+        )
+    return plan
+
+
+def _check_sources(directory: Path, md: Metadata, plan: _LoadPlan) -> None:
+    """Open each file this rank reads; check its header and the CRC of every chunk it needs."""
+    files = {}
+    for name, uses in sorted(plan.needed.items()):
+        f = DataFile(directory / name, md.files[name])
+        for key, chunk, dtype in uses:
+            f.check_chunk(key, chunk, dtype)
+        for key, chunk, _ in {(k, c.start): (k, c, d) for k, c, d in uses}.values():
+            f.check_crc(key, chunk)
+        files[name] = f
+    for i, (dest, reads, _) in enumerate(plan.copies):
+        plan.copies[i] = (dest, reads, files)
