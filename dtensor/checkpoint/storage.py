@@ -14,6 +14,7 @@ chunks it needs.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -57,10 +58,20 @@ def write_file(
         >>> spans["w"][:2], entry.bytes == p.stat().st_size
         ((64, 72), True)
     """
+    specs = [(name, t.dtype, tuple(t.shape)) for name, t in items]
+    return write_stream(path, specs, (t for _, t in items))
+
+
+def write_stream(path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], tensors):
+    """Like :func:`write_file`, with the header from ``specs`` and the tensors produced lazily.
+
+    ``tensors`` yields one contiguous CPU tensor per spec, in order, so a caller can build each
+    just before it is written (``consolidate`` keeps one full tensor in memory at a time).
+    """
     header, cursor = {}, 0
-    for name, t in items:
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+    for name, dtype, shape in specs:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
                         "data_offsets": [cursor, cursor + nbytes]}  # fmt: skip
         cursor += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -70,16 +81,21 @@ def write_file(
     spans = {}
     with open(path, "wb") as f:
         f.write(head)
-        for name, t in items:
+        for (name, dtype, shape), t in zip(specs, tensors, strict=True):
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise ValueError(
+                    f"{name}: got {t.dtype} {tuple(t.shape)}, header says {dtype} {shape}"
+                )
             view = tensor_bytes(t)
             f.write(view)
             lo, hi = header[name]["data_offsets"]
             spans[name] = (header_end + lo, header_end + hi, zlib.crc32(view))
         f.flush()
         os.fsync(f.fileno())
-    return FileEntry(
+    entry = FileEntry(
         bytes=header_end + cursor, header_end=header_end, header_crc32=zlib.crc32(head)
-    ), spans
+    )
+    return entry, spans
 
 
 class DataFile:
