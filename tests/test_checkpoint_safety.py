@@ -23,7 +23,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from device_mesh import init_device_mesh
-from dtensor import DTensor, Shard, distribute_tensor
+from dtensor import Shard, distribute_tensor
 from dtensor import checkpoint as dcp
 from dtensor.checkpoint import CheckpointError
 from dtensor.checkpoint.__main__ import main as cli
@@ -285,12 +285,6 @@ def _sharded_save_then_corrupt_one_rank(directory: str) -> None:
     ):
         dcp.load(target, checkpoint_id=directory)
     assert torch.equal(target["w"].full_tensor(), torch.zeros(7, 6)), "nothing may change"
-    redo = (
-        {"w": DTensor.from_local(torch.zeros(7, 6), mesh, [Shard(0)] if False else None)}
-        if False
-        else None
-    )
-    del redo
 
 
 def test_a_corrupted_chunk_one_rank_reads_fails_every_rank(tmp_path):
