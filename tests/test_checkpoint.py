@@ -13,6 +13,7 @@ checked the same way.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from device_mesh import init_device_mesh
 from dtensor import DTensor
 from dtensor import checkpoint as dcp
+from dtensor.checkpoint import api
 from dtensor.checkpoint._flatten import flatten
 from examples.gpt import GPT, GPTConfig, gpt_loss, tp_plan
 from fsdp2 import parallelize_transformer
@@ -196,3 +198,50 @@ def test_files_are_plain_safetensors_and_json(fsdp4_checkpoint):
     steps = [k for k in meta["tensors"] if k.endswith(".step")]
     assert steps and all(len(meta["tensors"][k]["chunks"]) == 1 for k in steps)
     assert meta["values"]["step"] == 2
+
+
+def _async_save_snapshots(directory: str) -> None:
+    model, index, count = _build("fsdp2", seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _step(model, opt, 0, index, count)
+    sd = _state(model, opt, 1)
+    expected = _full(sd)
+    # Hold the background writer until the model has moved on, so the test sees whether the
+    # snapshot was really taken when async_save returned.
+    moved_on = threading.Event()
+    real_write = api.write_file
+
+    def write_after_training_moved_on(path, items):
+        assert moved_on.wait(timeout=60)
+        return real_write(path, items)
+
+    api.write_file = write_after_training_moved_on
+    try:
+        future = dcp.async_save(sd, checkpoint_id=Path(directory) / "ckpt")
+        _step(model, opt, 1, index, count)  # the model and optimizer move on at once
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().fill_(-1.0)
+            for state in opt.state.values():
+                for v in state.values():
+                    (v.to_local() if isinstance(v, DTensor) else v).fill_(-1.0)
+        moved_on.set()
+        assert future.result(timeout=60) is None
+    finally:
+        api.write_file = real_write
+    loaded = _state(*_fresh("fsdp2"), 0)
+    dcp.load(loaded, checkpoint_id=Path(directory) / "ckpt")
+    got = _full(loaded)
+    assert got.keys() == expected.keys()
+    for key, value in got.items():
+        assert torch.equal(value, expected[key]), key
+    assert loaded["step"] == 1
+
+
+def _fresh(layout):
+    model, _, _ = _build(layout, seed=3)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def test_async_save_writes_the_state_as_it_was_when_called(tmp_path):
+    run_on_ranks(2, _async_save_snapshots, directory=str(tmp_path))

@@ -11,7 +11,7 @@ Example::
     >>> dcp.load({"model": model.state_dict()}, checkpoint_id="ckpt/step-100")
 """
 
-from dtensor.checkpoint.api import load, read_metadata, save
+from dtensor.checkpoint.api import async_save, load, read_metadata, save
 from dtensor.checkpoint.errors import CheckpointError
 from dtensor.checkpoint.state_dict import (
     StateDictOptions,
@@ -24,6 +24,7 @@ from dtensor.checkpoint.state_dict import (
 __all__ = [
     "save",
     "load",
+    "async_save",
     "read_metadata",
     "CheckpointError",
     "StateDictOptions",

@@ -37,6 +37,20 @@ class Group:
         pg = process_group if process_group is not None else dist.group.WORLD
         return cls(pg, dist.get_rank(pg), dist.get_world_size(pg))
 
+    def companion(self) -> Group:
+        """A gloo group over the same ranks, for a background thread (created once per ranks).
+
+        Only the ranks of this group take part in creating it.
+        """
+        if self.pg is None:
+            return self
+        ranks = tuple(dist.get_process_group_ranks(self.pg))
+        pg = _COMPANIONS.get(ranks)
+        if pg is None:
+            pg = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+            _COMPANIONS[ranks] = pg
+        return Group(pg, self.rank, self.size)
+
     def _device(self) -> torch.device:
         if dist.get_backend(self.pg) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
@@ -79,6 +93,11 @@ class Group:
             ]
             raise CheckpointError("\n".join(lines))
         return [doc["payload"] for doc in gathered]
+
+
+# Background groups, one per set of ranks. Like the default group they live as long as the
+# process: a group cannot be torn down while another thread may still be using it.
+_COMPANIONS: dict[tuple[int, ...], object] = {}
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -25,6 +25,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -61,6 +62,32 @@ def save(state_dict: Mapping, *, checkpoint_id: str | os.PathLike, process_group
     group = Group.of(process_group)
     snapshot = _snapshot(state_dict, group)
     _write(snapshot, Path(checkpoint_id), group)
+
+
+def async_save(
+    state_dict: Mapping, *, checkpoint_id: str | os.PathLike, process_group=None
+) -> Future:
+    """Snapshot ``state_dict`` to CPU now, write it in a background thread; returns a future.
+
+    When it returns, the snapshot is taken: training may go on and change the model without
+    changing what is written. ``future.result()`` returns None once the checkpoint is
+    committed, or raises what ``save`` would have raised. The background thread talks over its
+    own gloo group (same ranks, created on first use), so its messages never interleave with
+    the training's collectives.
+
+    Example::
+
+        >>> fut = dcp.async_save({"model": model.state_dict()}, checkpoint_id="ckpt/step-10")
+        >>> train_more()
+        >>> fut.result()
+    """
+    group = Group.of(process_group)
+    snapshot = _snapshot(state_dict, group, copy=True)
+    background = group.companion()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp-async-save")
+    future = pool.submit(_write, snapshot, Path(checkpoint_id), background)
+    pool.shutdown(wait=False)
+    return future
 
 
 class _Snapshot:
