@@ -5,6 +5,12 @@ as bytes, so the vocabulary is 256. ``--data PATH`` trains on any text file or f
 
     make train                                   # torchrun, 2 CPU processes, gloo
     python examples/train_gpt.py --nproc 4 --steps 100 --dim 256
+    python examples/train_gpt.py --checkpoint-dir ckpt --checkpoint-every 100
+    python examples/train_gpt.py --checkpoint-dir ckpt --resume --steps 1000
+
+Checkpoints (``dtensor.checkpoint``) go to ``step-NNNNNN`` folders; ``--resume`` continues
+from the newest one exactly: the batches are a function of (rank, step), so the resumed run
+sees the same data the uninterrupted run would have.
 
 Run without torchrun, the script starts torchrun itself with ``--nproc`` processes. On a
 terminal rank 0 shows a progress bar; otherwise (a log file, CI) it prints a line every
@@ -28,6 +34,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dtensor import checkpoint as dcp  # noqa: E402
 from examples.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
 from fsdp2 import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method  # noqa: E402
 
@@ -55,6 +62,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=50, help="steps between loss lines")
     p.add_argument("--temperature", type=float, default=0.8, help="closing sample; 0 = greedy")
     p.add_argument("--top-k", type=int, default=20, help="closing sample: the k likeliest bytes")
+    p.add_argument("--checkpoint-dir", type=Path, default=None, help="save step-N checkpoints here")
+    p.add_argument(
+        "--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)"
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the newest checkpoint there"
+    )
     return p.parse_args(argv)
 
 
@@ -103,12 +117,41 @@ def load_bytes(path: Path | None, limit: int = 16 << 20) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8)
 
 
-def batches(data: torch.Tensor, batch: int, seq: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=g)
-        window = torch.stack([data[s : s + seq + 1] for s in starts.tolist()]).long()
-        yield window[:, :-1], window[:, 1:]
+def batch_at(data: torch.Tensor, batch: int, seq: int, seed: int, step: int):
+    """The (inputs, targets) of one step: a function of (seed, step), so runs can resume."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=g)
+    window = torch.stack([data[s : s + seq + 1] for s in starts.tolist()]).long()
+    return window[:, :-1], window[:, 1:]
+
+
+# ------------------------------------------------------------------------------ checkpoints
+def training_state(model, opt, step: int) -> dict:
+    """What a checkpoint holds: sharded model and optimizer state, and the next step."""
+    return {
+        "model": dcp.get_model_state_dict(model),
+        "optim": dcp.get_optimizer_state_dict(model, opt),
+        "step": step,
+    }
+
+
+def newest_checkpoint(root: Path | None) -> Path | None:
+    """The committed ``step-N`` folder with the highest N under ``root``, if any."""
+    if root is None or not root.is_dir():
+        return None
+    done = [p for p in root.glob("step-*") if (p / "metadata.json").is_file()]
+    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+
+def resume(model, opt, root: Path) -> int:
+    """Load the newest checkpoint under ``root`` in place; returns the step to continue at."""
+    path = newest_checkpoint(root)
+    if path is None:
+        return 0
+    state = training_state(model, opt, 0)
+    dcp.load(state, checkpoint_id=path)
+    dcp.set_optimizer_state_dict(model, opt, state["optim"])
+    return int(state["step"])
 
 
 # ------------------------------------------------------------------------------------ model
@@ -161,7 +204,7 @@ def train(args) -> None:
     model = build_model(args, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     data = load_bytes(args.data)
-    stream = batches(data, args.batch, args.seq, seed=1000 + rank)
+    first = resume(model, opt, args.checkpoint_dir) if args.resume else 0
 
     progress = console = task = None
     if rank == 0:
@@ -174,14 +217,18 @@ def train(args) -> None:
             + (", bf16" if args.bf16 else "")
         )
         progress, task = start_progress(console, args.steps)
+        if first and progress is not None:
+            progress.update(task, completed=first)
+        if first:
+            console.print(f"resumed from step {first} ({newest_checkpoint(args.checkpoint_dir)})")
 
     logged: list[tuple[int, float]] = []
     tokens = 0
     start = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first, args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
-        x, y = next(stream)
+        x, y = batch_at(data, args.batch, args.seq, 1000 + rank, step)
         loss = gpt_loss(model, x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -202,6 +249,10 @@ def train(args) -> None:
                 f"step {step + 1:5d}/{args.steps}  loss {logged[-1][1]:.4f}  {tps:9,.0f} tok/s",
                 highlight=False,
             )
+        every = args.checkpoint_every
+        if args.checkpoint_dir and ((every and (step + 1) % every == 0) or step == args.steps - 1):
+            where = args.checkpoint_dir / f"step-{step + 1:06d}"
+            dcp.save(training_state(model, opt, step + 1), checkpoint_id=where)
     elapsed = time.perf_counter() - start
 
     mine = {

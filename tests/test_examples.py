@@ -69,3 +69,36 @@ def test_train_2d_runs_fsdp_with_tensor_parallelism_under_torchrun():
     assert [line.split()[1] for line in lines] == ["1/4", "3/4", "4/4"], out.stdout
     first, last = float(lines[0].split()[3]), float(lines[-1].split()[3])
     assert last < first, out.stdout
+
+
+def test_train_gpt_resumes_exactly_from_its_checkpoint(tmp_path):
+    """4 steps with a checkpoint at 2, against 2 steps resumed from that checkpoint: the
+    step-4 checkpoints of the two runs hold bit-identical values."""
+    from safetensors.torch import load_file
+
+    from dtensor.checkpoint.tools import consolidate
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--nproc", "2", "--steps", "4"]
+    base += ["--dim", "32", "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "2"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    runs = [
+        ["--checkpoint-dir", str(straight), "--checkpoint-every", "2"],
+        ["--checkpoint-dir", str(resumed), "--resume"],
+    ]
+    for i, extra in enumerate(runs):
+        if i == 1:  # the second run starts from the first run's step-2 checkpoint
+            resumed.mkdir()
+            (straight / "step-000002").rename(resumed / "step-000002")
+        out = subprocess.run(
+            base + extra, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT
+        )
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "resumed from step 2" in out.stdout
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    consolidate(straight / "step-000004", a)
+    consolidate(resumed / "step-000004", b)
+    a, b = load_file(str(a)), load_file(str(b))
+    assert a.keys() == b.keys() and any(k.endswith("exp_avg") for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
