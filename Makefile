@@ -30,6 +30,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/run.py
 	$(PY) benchmarks/train_bench.py $(BENCH_ARGS)
 	$(PY) benchmarks/tp_bench.py
+	$(PY) benchmarks/ckpt_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -27,7 +27,7 @@ from device_mesh import init_device_mesh  # noqa: E402
 from dtensor.parallel import loss_parallel  # noqa: E402
 from examples.gpt import GPT, GPTConfig, gpt_loss, tp_plan  # noqa: E402
 from examples.train_gpt import (  # noqa: E402
-    batches,
+    batch_at,
     load_bytes,
     lr_at,
     report,
@@ -93,7 +93,6 @@ def train(args) -> None:
     dp_index = rank // args.tp  # ranks of one tp group share a batch
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     data = load_bytes(args.data)
-    stream = batches(data, args.batch, args.seq, seed=1000 + dp_index)
     n_dp = ws // args.tp
 
     progress = console = task = None
@@ -114,7 +113,7 @@ def train(args) -> None:
     for step in range(args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
-        x, y = next(stream)
+        x, y = batch_at(data, args.batch, args.seq, 1000 + dp_index, step)
         if args.loss_parallel:
             with loss_parallel():
                 loss = gpt_loss(model, x, y)

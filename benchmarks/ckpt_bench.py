@@ -1,0 +1,210 @@
+"""Checkpoint save and load throughput: ours vs torch.distributed.checkpoint, in one run.
+
+    python benchmarks/ckpt_bench.py            # the benchmark GPT (~98M) + AdamW, world size 2
+    python benchmarks/ckpt_bench.py --small    # a quick check
+
+Each arm is a ``torchrun`` job of 2 ranks (one torch thread each) that builds the GPT with
+fully_shard (ours, or PyTorch's FSDP2 for the torch arm), creates the AdamW state, then saves
+the model + optimizer state dict ``--repeats`` times and loads it back as many times, each
+into a fresh directory under ``--dir`` (default: a temporary directory). Throughput is the
+bytes of state over all ranks divided by the median wall time (barrier to barrier).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--small", action="store_true", help="a small model, for a quick check")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", type=Path, default=None, help="where checkpoints go (default: tmp)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _model(small: bool):
+    import torch
+
+    from examples.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, max_seq_len=64) if small \
+        else GPTConfig(vocab_size=8192, dim=768, n_layers=12, n_heads=12, max_seq_len=128)  # fmt: skip
+    torch.manual_seed(0)
+    return GPT(cfg)
+
+
+def _ours(model, opt):
+    from dtensor import checkpoint as dcp
+    from fsdp2 import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = opt(model.parameters())
+
+    def state():
+        return {
+            "model": dcp.get_model_state_dict(model),
+            "optim": dcp.get_optimizer_state_dict(model, opt),
+        }
+
+    return (
+        state,
+        lambda sd, d: dcp.save(sd, checkpoint_id=d),
+        lambda sd, d: dcp.load(sd, checkpoint_id=d),
+    )
+
+
+def _torch(model, opt):
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = opt(model.parameters())
+
+    def state():
+        m, o = get_state_dict(model, opt)
+        return {"model": m, "optim": o}
+
+    return (
+        state,
+        lambda sd, d: tdcp.save(sd, checkpoint_id=d),
+        lambda sd, d: tdcp.load(sd, checkpoint_id=d),
+    )
+
+
+def _local_bytes(sd) -> int:
+    import torch
+
+    total = 0
+    stack = [sd]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, torch.Tensor):
+            local = node.to_local() if hasattr(node, "to_local") else node
+            total += local.numel() * local.element_size()
+    return total
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = _model(args.small)
+    opt = lambda params: torch.optim.AdamW(params, lr=1e-4)  # noqa: E731
+    state, save, load = (_ours if args.worker == "ours" else _torch)(model, opt)
+    sd = state()  # creates the optimizer state (zero moments) in both arms
+    nbytes = torch.tensor([_local_bytes(sd)])
+    dist.all_reduce(nbytes)
+    base = Path(args.dir)
+    saves, loads = [], []
+    for i in range(args.repeats):
+        where = base / f"{args.worker}-{i}"
+        dist.barrier()
+        t0 = time.perf_counter()
+        save(sd, where)
+        dist.barrier()
+        saves.append(time.perf_counter() - t0)
+    for i in range(args.repeats):
+        target = state()
+        dist.barrier()
+        t0 = time.perf_counter()
+        load(target, base / f"{args.worker}-{i}")
+        dist.barrier()
+        loads.append(time.perf_counter() - t0)
+    if rank == 0:
+        for i in range(args.repeats):
+            shutil.rmtree(base / f"{args.worker}-{i}", ignore_errors=True)
+        Path(args.out).write_text(json.dumps({
+            "impl": args.worker, "bytes": int(nbytes.item()), "save_s": statistics.median(saves),
+            "load_s": statistics.median(loads), "saves": saves, "loads": loads,
+        }))  # fmt: skip
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_arm(impl: str, args, directory: Path) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        __file__, "--worker", impl, "--out", out, "--repeats", str(args.repeats),
+        "--dir", str(directory),
+    ] + (["--small"] if args.small else [])  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"checkpoint benchmark {impl} failed:\n{proc.stderr[-4000:]}")
+    result = json.loads(Path(out).read_text())
+    os.unlink(out)
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker(args)
+        return
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    console = Console()
+    directory = args.dir or Path(tempfile.mkdtemp(prefix="ckpt-bench-"))
+    results = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("checkpoint arms", total=2)
+        for impl in ("ours", "torch"):
+            progress.update(task, description=impl)
+            results.append(run_arm(impl, args, directory))
+            progress.advance(task)
+    if args.dir is None:
+        shutil.rmtree(directory, ignore_errors=True)
+    torch_r = results[1]
+    table = Table(title=f"checkpoint, GPT + AdamW state ({results[0]['bytes'] / 2**20:.0f} MiB over "
+                  f"2 ranks), median of {args.repeats}")  # fmt: skip
+    for col in ("impl", "save (s)", "save MB/s", "vs torch", "load (s)", "load MB/s", "vs torch"):
+        table.add_column(col, justify="right")
+    for r in results:
+        table.add_row(
+            r["impl"], f"{r['save_s']:.3f}", f"{r['bytes'] / 1e6 / r['save_s']:.0f}",
+            f"{torch_r['save_s'] / r['save_s']:.2f}x", f"{r['load_s']:.3f}",
+            f"{r['bytes'] / 1e6 / r['load_s']:.0f}", f"{torch_r['load_s'] / r['load_s']:.2f}x",
+        )  # fmt: skip
+    console.print(table)
+    console.print(
+        "vs torch: throughput relative to torch.distributed.checkpoint (above 1 is faster)"
+    )
+    out = ROOT / "bench_results" / "checkpoint.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    console.print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
