@@ -245,3 +245,38 @@ def _fresh(layout):
 
 def test_async_save_writes_the_state_as_it_was_when_called(tmp_path):
     run_on_ranks(2, _async_save_snapshots, directory=str(tmp_path))
+
+
+def _full_state_dict_options():
+    """Full state dicts on rank 0 only (cpu_offload), and back in by broadcast from rank 0."""
+    model, index, count = _build("fsdp2", seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _step(model, opt, 0, index, count)
+    opts = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = dcp.get_model_state_dict(model, options=opts)
+    full_optim = dcp.get_optimizer_state_dict(model, opt, options=opts)
+    if dist.get_rank() == 0:
+        assert full and all(not isinstance(v, DTensor) for v in full.values())
+        assert full["tok_emb.weight"].shape == (VOCAB, 24)
+    else:
+        assert full == {} and full_optim == {}
+    fresh, _, _ = _build("fsdp2", seed=5)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=7.0)
+    bcast = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    dcp.set_model_state_dict(fresh, full, options=bcast)
+    dcp.set_optimizer_state_dict(fresh, fresh_opt, full_optim, options=bcast)
+    assert fresh_opt.param_groups[0]["lr"] == 1e-3
+    want = _full(_state(model, opt, 0))
+    got = _full(_state(fresh, fresh_opt, 0))
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    # every rank holding full tensors (no broadcast) loads the same way
+    everyone = dcp.get_model_state_dict(model, options=dcp.StateDictOptions(full_state_dict=True))
+    third, _, _ = _build("fsdp2", seed=9)
+    dcp.set_model_state_dict(third, everyone, options=dcp.StateDictOptions(full_state_dict=True))
+    for name, value in _params(third).items():
+        assert torch.equal(value, _params(model)[name]), name
+
+
+def test_full_state_dicts_gather_to_rank0_and_broadcast_back():
+    run_on_ranks(2, _full_state_dict_options)
