@@ -79,8 +79,7 @@ def _scratch(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> tor
         >>> buf.shape
         torch.Size([1024, 1024])
     """
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = math.prod(shape) * itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes < _MAPPED_MIN_BYTES:
         return torch.empty(shape, dtype=dtype, device=device)
     # The tensor keeps the mapping alive through the buffer protocol; the mapping is

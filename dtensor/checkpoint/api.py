@@ -155,12 +155,7 @@ def _write_my_file(snap: _Snapshot, mine: list, partial: Path, rank: int):
     if not mine:
         return None, []
     name = f"rank-{rank:05d}.safetensors"
-    blocks = []
-    for key, box in mine:
-        item = snap.items[key]
-        blocks.append((key, item.local))
-        if item.box != box:  # cannot happen: a writer is chosen among the ranks holding the box
-            return None, [f"internal: rank {rank} asked to write {key!r} {box}, holds {item.box}"]
+    blocks = [(key, snap.items[key].local) for key, _ in mine]
     try:
         entry, spans = write_file(partial / name, blocks)
     except OSError as e:
@@ -178,8 +173,7 @@ def _agree_or_discard(group: Group, problems, payload, partial: Path) -> list:
     try:
         return group.agree(problems, payload)
     except CheckpointError:
-        if group.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
+        _discard(partial, group)
         raise
 
 
@@ -274,11 +268,9 @@ def load(
     for path, value in plan.values:
         set_path(state_dict, path, value)
     with torch.no_grad():
-        for dest, reads, files in plan.copies:
+        for dest, reads, dtype in plan.copies:
             for r in reads:
-                dest[r.dst].copy_(
-                    files[r.chunk.file].tensor(r.chunk, plan.dtypes[id(r.chunk)])[r.src]
-                )
+                dest[r.dst].copy_(plan.files[r.chunk.file].tensor(r.chunk, dtype)[r.src])
     logger.info("loaded %d tensors from %s", len(plan.copies), directory)
 
 
@@ -311,9 +303,9 @@ def read_metadata(directory: Path) -> Metadata:
 class _LoadPlan:
     def __init__(self) -> None:
         self.values: list[tuple[tuple, object]] = []
-        self.copies: list[tuple[torch.Tensor, list, dict]] = []
-        self.dtypes: dict[int, str] = {}
+        self.copies: list[tuple[torch.Tensor, list, str]] = []  # (destination, reads, dtype)
         self.needed: dict[str, list] = {}  # file -> [(key, chunk, dtype)]
+        self.files: dict[str, DataFile] = {}  # opened and checked by _check_sources
 
 
 def _load_plan(state_dict: Mapping, md: Metadata, strict: bool) -> _LoadPlan:
@@ -333,9 +325,8 @@ def _load_plan(state_dict: Mapping, md: Metadata, strict: bool) -> _LoadPlan:
                 continue
             reads = read_plan(entry, item.box)
             for r in reads:
-                plan.dtypes[id(r.chunk)] = entry.dtype
                 plan.needed.setdefault(r.chunk.file, []).append((key, r.chunk, entry.dtype))
-            plan.copies.append((item.local, reads, {}))
+            plan.copies.append((item.local, reads, entry.dtype))
         elif key in md.values:
             plan.values.append((path, decode_value(md.values[key])))
         else:
@@ -360,13 +351,9 @@ def _load_plan(state_dict: Mapping, md: Metadata, strict: bool) -> _LoadPlan:
 
 def _check_sources(directory: Path, md: Metadata, plan: _LoadPlan) -> None:
     """Open each file this rank reads; check its header and the CRC of every chunk it needs."""
-    files = {}
     for name, uses in sorted(plan.needed.items()):
         f = DataFile(directory / name, md.files[name])
         for key, chunk, dtype in uses:
             f.check_chunk(key, chunk, dtype)
-        for key, chunk, _ in {(k, c.start): (k, c, d) for k, c, d in uses}.values():
             f.check_crc(key, chunk)
-        files[name] = f
-    for i, (dest, reads, _) in enumerate(plan.copies):
-        plan.copies[i] = (dest, reads, files)
+        plan.files[name] = f

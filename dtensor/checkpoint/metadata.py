@@ -60,7 +60,7 @@ def itemsize(dtype_name: str) -> int:
         >>> itemsize("BF16")
         2
     """
-    return torch.empty((), dtype=DTYPES[dtype_name]).element_size()
+    return DTYPES[dtype_name].itemsize
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,8 @@ def get_model_state_dict(model: nn.Module, *, options: StateDictOptions | None =
         >>> sd = get_model_state_dict(model)          # {"blocks.0.attn.q.weight": DTensor, ...}
     """
     options = options or StateDictOptions()
-    return _shape_output(dict(model.state_dict()), options)
+    sd = _converted(dict(model.state_dict()), options)  # every rank joins the gathers
+    return {} if _kept_by_rank0_only(options) else sd
 
 
 def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -74,15 +75,11 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
     _ensure_state(optimizer)
     paths = _param_paths(model, optimizer)
     native = optimizer.state_dict()
-    state = {paths[i]: dict(s) for i, s in native["state"].items()}
+    state = {paths[i]: _converted(s, options) for i, s in native["state"].items()}
     groups = [dict(g, params=[paths[i] for i in g["params"]]) for g in native["param_groups"]]
-    out = {
-        "state": {k: _shape_output(v, options) for k, v in state.items()},
-        "param_groups": groups,
-    }
-    if options.full_state_dict and options.cpu_offload and Group.of().rank != 0:
+    if _kept_by_rank0_only(options):
         return {}
-    return out
+    return {"state": state, "param_groups": groups}
 
 
 def set_model_state_dict(model: nn.Module, model_state_dict: dict, *,
@@ -118,7 +115,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
     params = dict(model.named_parameters())
     if options.broadcast_from_rank0:
         current = get_optimizer_state_dict(model, optimizer)
-        optim_state_dict = _broadcast_optim(current, optim_state_dict, options.strict)
+        optim_state_dict = _broadcast_optim(current, optim_state_dict)
     unknown = [p for p in optim_state_dict.get("state", {}) if p not in index]
     if unknown and options.strict:
         raise CheckpointError(f"optimizer state for parameters the model does not have: {unknown}")
@@ -176,10 +173,11 @@ def _ensure_state(optimizer: torch.optim.Optimizer) -> None:
             s["step"] = torch.zeros_like(s["step"]) if isinstance(s["step"], torch.Tensor) else 0
 
 
-def _shape_output(sd: dict, options: StateDictOptions) -> dict:
-    if not (options.full_state_dict or options.cpu_offload):
-        return sd
-    rank = Group.of().rank
+def _converted(sd: dict, options: StateDictOptions) -> dict:
+    """``sd`` with DTensors gathered (``full_state_dict``) and tensors on CPU (``cpu_offload``).
+
+    Every rank runs the gathers, including ranks that will then return nothing.
+    """
     out = {}
     for k, v in sd.items():
         if isinstance(v, DTensor) and options.full_state_dict:
@@ -187,9 +185,12 @@ def _shape_output(sd: dict, options: StateDictOptions) -> dict:
         if isinstance(v, torch.Tensor) and options.cpu_offload:
             v = v.detach().cpu()
         out[k] = v
-    if options.full_state_dict and options.cpu_offload and rank != 0:
-        return {}
     return out
+
+
+def _kept_by_rank0_only(options: StateDictOptions) -> bool:
+    """Whether this rank returns an empty dict: full + cpu_offload keeps tensors on rank 0."""
+    return options.full_state_dict and options.cpu_offload and Group.of().rank != 0
 
 
 def _is_param_shaped(value, like) -> bool:
@@ -247,19 +248,35 @@ def _broadcast_tensor(value, like, group: Group) -> torch.Tensor:
     return full
 
 
-def _broadcast_optim(current: dict, given: dict, strict: bool) -> dict:
+def _broadcast_optim(current: dict, given: dict) -> dict:
+    """Rank 0's full optimizer state dict, with each rank keeping the same structure as ``current``.
+
+    Tensors are broadcast one by one; everything else (param_groups and non-tensor state)
+    travels in one JSON exchange.
+    """
     group = Group.of()
-    groups = group.all_gather_json(
-        encode_value("param_groups", given.get("param_groups")) if group.rank == 0 else None
-    )
-    groups = decode_value(groups[0])
-    state = {}
+    plain = None
+    if group.rank == 0:
+        state = given.get("state", {})
+        plain = {
+            "param_groups": given.get("param_groups"),
+            "state": {
+                path: {
+                    k: state.get(path, {}).get(k)
+                    for k, v in entry.items()
+                    if not isinstance(v, torch.Tensor)
+                }  # fmt: skip
+                for path, entry in current["state"].items()
+            },
+        }
+    plain = decode_value(group.all_gather_json(encode_value("optimizer state", plain))[0])
+    out = {}
     for path, entry in current["state"].items():
-        state[path] = {}
-        for k, like in entry.items():
-            src = given.get("state", {}).get(path, {}).get(k) if group.rank == 0 else None
-            if isinstance(like, torch.Tensor):
-                state[path][k] = _broadcast_tensor(src, like, group)
-            else:
-                state[path][k] = decode_value(group.all_gather_json(encode_value(k, src))[0])
-    return {"state": state, "param_groups": groups}
+        src = given.get("state", {}).get(path, {}) if group.rank == 0 else {}
+        out[path] = {
+            k: _broadcast_tensor(src.get(k), like, group)
+            if isinstance(like, torch.Tensor)
+            else plain["state"][path][k]
+            for k, like in entry.items()
+        }
+    return {"state": out, "param_groups": plain["param_groups"]}

@@ -37,10 +37,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         >>> len(tensor_bytes(torch.zeros(3, dtype=torch.bfloat16)))
         6
     """
-    flat = t.reshape(-1)
-    if flat.dtype is torch.bool:
-        flat = flat.view(torch.uint8)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def write_file(
@@ -70,7 +67,7 @@ def write_stream(path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]
     """
     header, cursor = {}, 0
     for name, dtype, shape in specs:
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
                         "data_offsets": [cursor, cursor + nbytes]}  # fmt: skip
         cursor += nbytes
@@ -161,8 +158,7 @@ class DataFile:
     def tensor(self, chunk: Chunk, dtype: str) -> torch.Tensor:
         """The chunk as a tensor viewing the mapped file (no copy)."""
         dt = DTYPES[dtype]
-        count = (chunk.end - chunk.start) // torch.empty((), dtype=dt).element_size()
-        if count == 0:
+        if chunk.end == chunk.start:
             return torch.empty(chunk.sizes, dtype=dt)
         raw = torch.frombuffer(
             self._map, dtype=torch.uint8, count=chunk.end - chunk.start, offset=chunk.start

@@ -118,9 +118,9 @@ def consolidate(directory: str | Path, out: str | Path, *, progress=None) -> int
             t = md.tensors[key]
             full = torch.empty(t.shape, dtype=DTYPES[t.dtype])
             for r in read_plan(t, ((0,) * len(t.shape), t.shape)):
-                f = files.get(r.chunk.file) or files.setdefault(
-                    r.chunk.file, DataFile(directory / r.chunk.file, md.files[r.chunk.file])
-                )
+                if r.chunk.file not in files:
+                    files[r.chunk.file] = DataFile(directory / r.chunk.file, md.files[r.chunk.file])
+                f = files[r.chunk.file]
                 f.check_chunk(key, r.chunk, t.dtype)
                 f.check_crc(key, r.chunk)
                 full[r.dst] = f.tensor(r.chunk, t.dtype)[r.src]
