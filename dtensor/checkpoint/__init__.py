@@ -9,10 +9,12 @@ Example::
     >>> from dtensor import checkpoint as dcp
     >>> dcp.save({"model": model.state_dict()}, checkpoint_id="ckpt/step-100")
     >>> dcp.load({"model": model.state_dict()}, checkpoint_id="ckpt/step-100")
+    >>> dcp.load_hf(model.state_dict(), "llama-hf/")   # Hugging Face weights, any layout
 """
 
 from dtensor.checkpoint.api import async_save, load, read_metadata, save
 from dtensor.checkpoint.errors import CheckpointError
+from dtensor.checkpoint.hf import export_hf, load_hf
 from dtensor.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -26,6 +28,8 @@ __all__ = [
     "load",
     "async_save",
     "read_metadata",
+    "load_hf",
+    "export_hf",
     "CheckpointError",
     "StateDictOptions",
     "get_model_state_dict",

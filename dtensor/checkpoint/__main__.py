@@ -3,6 +3,7 @@
 python -m dtensor.checkpoint inspect ckpt/step-100
 python -m dtensor.checkpoint verify ckpt/step-100          # exit status 1 on any problem
 python -m dtensor.checkpoint consolidate ckpt/step-100 full.safetensors
+python -m dtensor.checkpoint consolidate ckpt/step-100 hf-out --hf --prefix model.
 """
 
 from __future__ import annotations
@@ -15,7 +16,11 @@ from rich.progress import Progress
 from rich.table import Table
 
 from dtensor.checkpoint.errors import CheckpointError
+from dtensor.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, export_hf
 from dtensor.checkpoint.tools import consolidate, inspect, verify
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10, "MIB": 1 << 20,
+          "GIB": 1 << 30}  # fmt: skip
 
 
 def _size(n: int) -> str:
@@ -53,12 +58,46 @@ def _verify(args, console: Console) -> int:
     return 1 if problems else 0
 
 
+def _byte_count(text: str) -> int:
+    """``"5GB"``, ``"500MiB"`` or ``"1000000"`` as a number of bytes (argparse type)."""
+    t = text.strip().upper()
+    digits = t.rstrip("KMGIB")
+    unit = t[len(digits) :]
+    try:
+        n = float(digits) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; write e.g. 5GB, 500MB, 200MiB or a byte count"
+        ) from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be at least one byte")
+    return int(n)
+
+
+def _prefix_map(prefix: str | None):
+    """Keep only keys under ``prefix`` and remove it (``model.`` for a ``{"model": sd}`` save)."""
+    if not prefix:
+        return None
+    return lambda key: key[len(prefix) :] if key.startswith(prefix) else None
+
+
 def _consolidate(args, console: Console) -> int:
     rows, _ = inspect(args.dir)
+    key_map = _prefix_map(args.prefix)
+    total = sum(1 for r in rows if key_map is None or key_map(r.key) is not None)
     with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("consolidating", total=len(rows))
-        size = consolidate(args.dir, args.out, progress=lambda key: bar.advance(task))
-    console.print(f"wrote {args.out}: {len(rows)} tensors, {_size(size)}")
+        task = bar.add_task("consolidating", total=total)
+        advance = lambda key: bar.advance(task)  # noqa: E731
+        if args.hf:
+            names = export_hf(args.dir, args.out, key_map=key_map,
+                              max_shard_bytes=args.max_shard_size, progress=advance)  # fmt: skip
+            what = f"{len(names)} file{'s' if len(names) > 1 else ''}"
+        else:
+            size = consolidate(args.dir, args.out, key_map=key_map, progress=advance)
+            what = _size(size)
+    console.print(f"wrote {args.out}: {total} tensors, {what}")
+    if args.hf:
+        console.print("add the model's config.json (config.save_pretrained) to load it")
     return 0
 
 
@@ -71,9 +110,17 @@ def main(argv=None) -> int:
         "inspect", help="table of tensors, shapes, dtypes, chunks and sizes"
     ).add_argument("dir")
     sub.add_parser("verify", help="check metadata, headers and checksums").add_argument("dir")
-    c = sub.add_parser("consolidate", help="full tensors in one safetensors file")
+    c = sub.add_parser(
+        "consolidate", help="full tensors in one safetensors file, or a Hugging Face folder"
+    )
     c.add_argument("dir")
-    c.add_argument("out")
+    c.add_argument("out", help="a .safetensors file, or a folder with --hf")
+    c.add_argument("--hf", action="store_true", help="write a Hugging Face model folder")
+    c.add_argument(
+        "--prefix", help="keep only keys starting with this and strip it (e.g. 'model.')"
+    )
+    c.add_argument("--max-shard-size", type=_byte_count, default=DEFAULT_MAX_SHARD_BYTES,
+                   help="with --hf: the most bytes per file (default 5GB)")  # fmt: skip
     args = parser.parse_args(argv)
     console = Console()
     try:

@@ -43,6 +43,7 @@ from dtensor.checkpoint.metadata import (
 )
 from dtensor.checkpoint.planner import LocalItem, assign_writers, local_item, read_plan
 from dtensor.checkpoint.storage import DataFile, write_file
+from dtensor.tensor import DTensor
 
 logger = logging.getLogger(__name__)
 
@@ -255,12 +256,28 @@ def load(
         >>> sd = {"model": model.state_dict()}
         >>> dcp.load(sd, checkpoint_id="ckpt/step-10")   # model's DTensors now hold the values
     """
-    group = Group.of(process_group)
     directory = Path(checkpoint_id)
+    load_from(
+        state_dict,
+        lambda: (directory, read_metadata(directory)),
+        group=Group.of(process_group),
+        strict=strict,
+        whole_source=False,
+    )
+
+
+def load_from(state_dict: dict, open_source, *, group: Group, strict: bool, whole_source: bool):
+    """The load procedure, for any source described as :class:`Metadata` (ours or Hugging Face's).
+
+    ``open_source()`` returns ``(directory, metadata)``. With ``whole_source``, every tensor of
+    the source counts as unexpected when the state dict lacks it; otherwise only those under
+    the state dict's own top-level names do (loading ``{"model": ...}`` from a checkpoint that
+    also holds ``optim`` is fine).
+    """
     problems, plan = [], None
     try:
-        md = read_metadata(directory)
-        plan = _load_plan(state_dict, md, strict)
+        directory, md = open_source()
+        plan = _load_plan(state_dict, md, strict, whole_source)
         _check_sources(directory, md, plan)
     except (CheckpointError, OSError) as e:
         problems.append(str(e))
@@ -308,32 +325,37 @@ class _LoadPlan:
         self.files: dict[str, DataFile] = {}  # opened and checked by _check_sources
 
 
-def _load_plan(state_dict: Mapping, md: Metadata, strict: bool) -> _LoadPlan:
+def _load_plan(state_dict: Mapping, md: Metadata, strict: bool, whole_source: bool) -> _LoadPlan:
     plan, missing, mismatched = _LoadPlan(), [], []
     flat = flatten(state_dict)
+    filled: set[tuple] = set()  # the memory some key fills (a tied twin needs no entry)
+    tensors = sorted((k, v) for k, v in flat.items() if isinstance(v[1], torch.Tensor))
+    for key, (_, leaf) in tensors:
+        entry = md.tensors.get(key)
+        if entry is None:
+            continue
+        item = local_item(key, leaf, for_save=False)
+        if item.shape != entry.shape:
+            mismatched.append(
+                f"{key} (checkpoint {list(entry.shape)}, state dict {list(item.shape)})"
+            )
+            continue
+        reads = read_plan(entry, item.box)
+        for r in reads:
+            plan.needed.setdefault(r.chunk.file, []).append((key, r.chunk, entry.dtype))
+        plan.copies.append((item.local, reads, entry.dtype))
+        filled.add(_memory(item.local))
     for key, (path, leaf) in sorted(flat.items()):
         if isinstance(leaf, torch.Tensor):
-            entry = md.tensors.get(key)
-            if entry is None:
+            if key not in md.tensors and not _filled_elsewhere(leaf, filled):
                 (mismatched if key in md.values else missing).append(key)
-                continue
-            item = local_item(key, leaf, for_save=False)
-            if item.shape != entry.shape:
-                mismatched.append(
-                    f"{key} (checkpoint {list(entry.shape)}, state dict {list(item.shape)})"
-                )
-                continue
-            reads = read_plan(entry, item.box)
-            for r in reads:
-                plan.needed.setdefault(r.chunk.file, []).append((key, r.chunk, entry.dtype))
-            plan.copies.append((item.local, reads, entry.dtype))
         elif key in md.values:
             plan.values.append((path, decode_value(md.values[key])))
         else:
             (mismatched if key in md.tensors else missing).append(key)
-    roots = {str(path[0]) for path, _ in flat.values()}
+    roots = {key.split(".", 1)[0] for key in flat}
     unexpected = [k for k in sorted(md.tensors.keys() | md.values.keys())
-                  if k not in flat and k.split(".", 1)[0] in roots]  # fmt: skip
+                  if k not in flat and (whole_source or k.split(".", 1)[0] in roots)]  # fmt: skip
     lines = []
     if mismatched:
         lines.append("mis-shaped or of the wrong kind: " + ", ".join(mismatched))
@@ -349,11 +371,26 @@ def _load_plan(state_dict: Mapping, md: Metadata, strict: bool) -> _LoadPlan:
     return plan
 
 
+def _memory(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _filled_elsewhere(leaf: torch.Tensor, filled: set[tuple]) -> bool:
+    """Whether a key absent from the checkpoint needs nothing: its block is the very memory
+    another key fills (``state_dict()`` detaches a tied parameter under each of its names), or
+    it is empty on this rank (the ranks that hold some of it decide)."""
+    local = leaf.to_local() if isinstance(leaf, DTensor) else leaf
+    if local.numel() == 0:
+        return leaf.numel() > 0
+    return _memory(local) in filled
+
+
 def _check_sources(directory: Path, md: Metadata, plan: _LoadPlan) -> None:
     """Open each file this rank reads; check its header and the CRC of every chunk it needs."""
     for name, uses in sorted(plan.needed.items()):
         f = DataFile(directory / name, md.files[name])
         for key, chunk, dtype in uses:
-            f.check_chunk(key, chunk, dtype)
+            if chunk.crc32 is not None:  # else the chunk was described from this very header
+                f.check_chunk(key, chunk, dtype)
             f.check_crc(key, chunk)
         plan.files[name] = f

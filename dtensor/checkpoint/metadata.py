@@ -52,6 +52,17 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
+def plain_file_name(name: object) -> bool:
+    """Whether ``name`` is a plain ``*.safetensors`` name (no path, not hidden).
+
+    Example::
+
+        >>> plain_file_name("rank-00000.safetensors"), plain_file_name("../x.safetensors")
+        (True, False)
+    """
+    return isinstance(name, str) and bool(_FILE_NAME.match(name))
+
+
 def itemsize(dtype_name: str) -> int:
     """Bytes per element of a safetensors dtype name.
 
@@ -72,7 +83,7 @@ class Chunk:
     file: str
     start: int  # absolute byte offset in the file
     end: int
-    crc32: int
+    crc32: int | None  # None: no checksum recorded (a file we did not write)
 
     @property
     def box(self) -> Box:
@@ -190,7 +201,7 @@ def _parse_files(doc, on_disk: dict[str, int]) -> dict[str, FileEntry]:
     files = {}
     for name, entry in doc.items():
         _expect(
-            bool(_FILE_NAME.match(name)),
+            plain_file_name(name),
             f"file name {name!r} is not a plain '*.safetensors' name inside the checkpoint "
             "directory (paths and hidden names are refused)",
         )

@@ -59,13 +59,23 @@ def write_file(
     return write_stream(path, specs, (t for _, t in items))
 
 
-def write_stream(path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], tensors):
+def write_stream(
+    path: Path,
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    tensors,
+    *,
+    file_metadata: dict[str, str] | None = None,
+):
     """Like :func:`write_file`, with the header from ``specs`` and the tensors produced lazily.
 
     ``tensors`` yields one contiguous CPU tensor per spec, in order, so a caller can build each
     just before it is written (``consolidate`` keeps one full tensor in memory at a time).
+    ``file_metadata`` becomes the header's ``__metadata__`` (string to string, as safetensors
+    requires; Hugging Face loaders look for ``{"format": "pt"}`` there).
     """
     header, cursor = {}, 0
+    if file_metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in file_metadata.items()}
     for name, dtype, shape in specs:
         nbytes = math.prod(shape) * dtype.itemsize
         header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
@@ -143,7 +153,13 @@ class DataFile:
             )
 
     def check_crc(self, key: str, chunk: Chunk) -> None:
-        """Compare the chunk's bytes with the CRC-32 recorded in metadata.json."""
+        """Compare the chunk's bytes with the CRC-32 recorded in metadata.json.
+
+        A chunk with no recorded CRC (``crc32`` None: a Hugging Face file, described from its
+        own header) has nothing to compare with and passes.
+        """
+        if chunk.crc32 is None:
+            return
         got = (
             zlib.crc32(memoryview(self._map)[chunk.start : chunk.end])
             if chunk.end > chunk.start

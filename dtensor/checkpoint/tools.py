@@ -97,11 +97,42 @@ def _verify_file(directory: Path, md: Metadata, name: str, uses: list) -> list[s
     return problems
 
 
-def consolidate(directory: str | Path, out: str | Path, *, progress=None) -> int:
+class Assembler:
+    """Builds full tensors of a checkpoint from its chunks, checking each chunk's CRC-32 first.
+
+    Example::
+
+        >>> md = read_metadata(Path("ckpt/step-10"))
+        >>> Assembler(Path("ckpt/step-10"), md).full("model.norm.weight").shape
+        torch.Size([768])
+    """
+
+    def __init__(self, directory: Path, md: Metadata) -> None:
+        self._directory, self._md = directory, md
+        self._files: dict[str, DataFile] = {}
+
+    def full(self, key: str) -> torch.Tensor:
+        t = self._md.tensors[key]
+        full = torch.empty(t.shape, dtype=DTYPES[t.dtype])
+        for r in read_plan(t, ((0,) * len(t.shape), t.shape)):
+            f = self._file(r.chunk.file)
+            f.check_chunk(key, r.chunk, t.dtype)
+            f.check_crc(key, r.chunk)
+            full[r.dst] = f.tensor(r.chunk, t.dtype)[r.src]
+        return full
+
+    def _file(self, name: str) -> DataFile:
+        if name not in self._files:
+            self._files[name] = DataFile(self._directory / name, self._md.files[name])
+        return self._files[name]
+
+
+def consolidate(directory: str | Path, out: str | Path, *, key_map=None, progress=None) -> int:
     """Write every tensor of a checkpoint, whole, into one safetensors file; returns its size.
 
     Tensors are assembled one at a time, so memory stays near the largest tensor. Every chunk
-    read is checked against its CRC-32 first. ``progress(key)`` is called after each tensor.
+    read is checked against its CRC-32 first. ``key_map(key)`` renames a key, or drops it by
+    returning None. ``progress(key)`` is called after each tensor.
 
     Example::
 
@@ -110,24 +141,18 @@ def consolidate(directory: str | Path, out: str | Path, *, progress=None) -> int
     """
     directory = Path(directory)
     md = read_metadata(directory)
-    keys = sorted(md.tensors)
-    files: dict[str, DataFile] = {}
+    names = {k: (k if key_map is None else key_map(k)) for k in sorted(md.tensors)}
+    keys = [k for k, name in names.items() if name is not None]
+    if len(set(names[k] for k in keys)) != len(keys):
+        raise CheckpointError("the key_map gives two tensors the same name")
+    assembler = Assembler(directory, md)
 
     def tensors():
         for key in keys:
-            t = md.tensors[key]
-            full = torch.empty(t.shape, dtype=DTYPES[t.dtype])
-            for r in read_plan(t, ((0,) * len(t.shape), t.shape)):
-                if r.chunk.file not in files:
-                    files[r.chunk.file] = DataFile(directory / r.chunk.file, md.files[r.chunk.file])
-                f = files[r.chunk.file]
-                f.check_chunk(key, r.chunk, t.dtype)
-                f.check_crc(key, r.chunk)
-                full[r.dst] = f.tensor(r.chunk, t.dtype)[r.src]
-            yield full
+            yield assembler.full(key)
             if progress is not None:
                 progress(key)
 
-    specs = [(k, DTYPES[md.tensors[k].dtype], md.tensors[k].shape) for k in keys]
-    entry, _ = write_stream(Path(out), specs, tensors())
+    specs = [(names[k], DTYPES[md.tensors[k].dtype], md.tensors[k].shape) for k in keys]
+    entry, _ = write_stream(Path(out), specs, tensors(), file_metadata={"format": "pt"})
     return entry.bytes
