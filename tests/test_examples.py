@@ -102,3 +102,18 @@ def test_train_gpt_resumes_exactly_from_its_checkpoint(tmp_path):
     assert a.keys() == b.keys() and any(k.endswith("exp_avg") for k in a)
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.slow
+def test_checkpoint_reshard_resumes_fsdp4_as_fsdp2_tp2(tmp_path):
+    """The example saves at 4-way FSDP and resumes on a 2 x 2 FSDP + TP mesh; it exits 1 when
+    the resumed losses leave the straight run's by more than its tolerance."""
+    from dtensor.checkpoint.tools import verify
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "examples" / "checkpoint_reshard.py"), "--dir", str(tmp_path)]
+    cmd += ["--steps-before", "3", "--steps-after", "2", "--dim", "32", "--seq", "16"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "losses match" in out.stdout, out.stdout
+    assert verify(tmp_path / "step-000003") == []
