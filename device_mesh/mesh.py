@@ -72,10 +72,15 @@ class DeviceMesh:
         self._device_type = device_type
         self._backend = backend
         self._mesh = mesh_tensor
+        # Plain-Python copies of the layout: what the accessors below read, so that none of
+        # them runs a tensor op (they are called while torch.compile traces with fake tensors).
+        self._shape = tuple(mesh_tensor.shape)
+        self._flat_ranks = tuple(mesh_tensor.reshape(-1).tolist())
         self._dim_names = names
         self._rank = dist.get_rank()
         coord = (mesh_tensor == self._rank).nonzero()
         self._coordinate = tuple(int(c) for c in coord[0]) if len(coord) else None
+        self._identity = (device_type, self._shape, self._flat_ranks, names)
 
     def _create_dim_groups(self, mesh_dim: int):
         """Create (or fetch) the groups of every slice along ``mesh_dim``; return this rank's."""
@@ -185,12 +190,12 @@ class DeviceMesh:
     @property
     def ndim(self) -> int:
         """Number of mesh dims."""
-        return self._mesh.ndim
+        return len(self._shape)
 
     @property
     def shape(self) -> tuple[int, ...]:
         """Size of every mesh dim."""
-        return tuple(self._mesh.shape)
+        return self._shape
 
     def size(self, mesh_dim: int | str | None = None) -> int:
         """Number of ranks in the mesh, or along ``mesh_dim``.
@@ -200,8 +205,8 @@ class DeviceMesh:
             2
         """
         if mesh_dim is None:
-            return self._mesh.numel()
-        return self._mesh.size(self._dim_index(mesh_dim, api="DeviceMesh.size"))
+            return len(self._flat_ranks)
+        return self._shape[self._dim_index(mesh_dim, api="DeviceMesh.size")]
 
     def get_rank(self) -> int:
         """This process's global rank."""
@@ -258,9 +263,10 @@ class DeviceMesh:
         d = self._dim_index(mesh_dim, api="DeviceMesh.ranks_along")
         if self._coordinate is None:
             raise RuntimeError(f"DeviceMesh.ranks_along: rank {self._rank} is not in {self!r}.")
-        index = list(self._coordinate)
-        index[d] = slice(None)
-        return self._mesh[tuple(index)].tolist()
+        step = math.prod(self._shape[d + 1 :])
+        start = sum(c * math.prod(self._shape[i + 1 :]) for i, c in enumerate(self._coordinate))
+        start -= self._coordinate[d] * step
+        return [self._flat_ranks[start + k * step] for k in range(self._shape[d])]
 
     # ----------------------------------------------------------------------------- slicing
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
@@ -455,12 +461,7 @@ class DeviceMesh:
         return self._dim_index(mesh_dim, api=api)
 
     def _key(self):
-        return (
-            self._device_type,
-            self.shape,
-            tuple(self._mesh.reshape(-1).tolist()),
-            self._dim_names,
-        )
+        return self._identity
 
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -472,7 +473,7 @@ class DeviceMesh:
 
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self._dim_names}" if self._dim_names else ""
-        return f"DeviceMesh({self._device_type!r}, {self._mesh.tolist()}{names})"
+        return f"DeviceMesh({self._device_type!r}, {_nested(self._flat_ranks, self._shape)}{names})"
 
     @staticmethod
     def _concatenate(meshes) -> DeviceMesh:
@@ -586,6 +587,14 @@ def _rebuild_mesh(description: tuple) -> DeviceMesh:
             "rebuilt from the process groups this process already has; build the same mesh "
             "with init_device_mesh (on every rank) before unpickling."
         ) from None
+
+
+def _nested(flat: tuple[int, ...], shape: tuple[int, ...]) -> list:
+    """``flat`` laid out as nested lists of ``shape`` (what ``tensor.tolist()`` prints)."""
+    if len(shape) == 1:
+        return list(flat)
+    n = len(flat) // shape[0]
+    return [_nested(flat[i * n : (i + 1) * n], shape[1:]) for i in range(shape[0])]
 
 
 def init_device_mesh(

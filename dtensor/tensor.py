@@ -24,6 +24,21 @@ from dtensor.placement import (
 )
 
 
+@torch.compiler.disable
+def _dispatch(func, args, kwargs):
+    """[Note: DTensor under torch.compile] DTensor is a traceable subclass: dynamo passes it
+    into graphs through ``__tensor_flatten__`` / ``__tensor_unflatten__`` and AOTAutograd
+    traces ``__torch_dispatch__`` with fake local tensors, so a compiled graph holds the local
+    ops. Dynamo itself must never compile *our* Python as a frame of its own: an op that runs
+    eagerly while a compiled function is active (a graph break, a runtime wrapper building
+    its DTensor outputs) would call into dispatch or ``__new__`` with dynamo's frame hook set,
+    and dynamo would try to compile them. ``torch.compiler.disable`` on those entry points
+    runs them, and everything they call, as plain Python (about a microsecond per call)."""
+    from dtensor._dispatch import dispatch
+
+    return dispatch(func, args, kwargs)
+
+
 class DTensor(torch.Tensor):
     """A tensor sharded or replicated over a ``DeviceMesh``.
 
@@ -41,6 +56,7 @@ class DTensor(torch.Tensor):
     _spec: DTensorSpec
 
     @staticmethod
+    @torch.compiler.disable  # [Note: DTensor under torch.compile]
     def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool):
         if local_tensor.requires_grad and not requires_grad:
             local_tensor = local_tensor.detach()
@@ -64,9 +80,7 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from dtensor._dispatch import dispatch
-
-        return dispatch(func, args, kwargs or {})
+        return _dispatch(func, args, kwargs or {})
 
     # ---------------------------------------------------------------------------- metadata
     @property
@@ -89,6 +103,7 @@ class DTensor(torch.Tensor):
         return ["_local_tensor"], (self._spec, self.requires_grad)
 
     @staticmethod
+    @torch.compiler.disable
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
         spec, requires_grad = ctx
         meta = TensorMeta(torch.Size(outer_size), tuple(outer_stride), spec.meta.dtype)

@@ -147,11 +147,18 @@ class FSDPState:
         self._done: set[int] = set()
         self._post_ran = 0  # post-forward hooks that ran normally, for abort detection
         self.handles = []
+        # The hooks run eagerly even inside a compiled module: dynamo does not trace them
+        # (they talk to process groups and keep Python state); the forward between them is
+        # what torch.compile compiles.
+        pre, post, abort = (
+            torch.compiler.disable(h)
+            for h in (self._pre_forward_hook, self._post_forward_hook, self._abort_hook)
+        )
         for m in modules:
             self.handles += [
-                m.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True),
-                m.register_forward_hook(self._post_forward_hook),
-                m.register_forward_hook(self._abort_hook, always_call=True),
+                m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True),
+                m.register_forward_hook(post),
+                m.register_forward_hook(abort, always_call=True),
             ]
 
     def __repr__(self) -> str:

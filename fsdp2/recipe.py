@@ -44,14 +44,13 @@ def parallelize_transformer(
     ``tp_plan``, a ``parallelize_module`` plan). ``blocks`` are the transformer blocks
     (default: ``model.blocks`` or ``model.layers``); each is checkpointed, compiled and
     sharded on its own. ``compile=True`` compiles each block with ``torch.compile``'s
-    default backend; a string names another backend (``"aot_eager"``).
+    default backend; a string names another backend (``"aot_eager"``). With a "tp" dim the
+    planned linears run eagerly between the compiled pieces of a block (docs/compile.md).
 
     Raises:
         ValueError: an unknown dim name, a "tp" dim without a plan, or - when the model's
             config (``model.cfg`` / ``model.config``) names them - heads or width not
             divisible by the tensor-parallel size. Raised before anything changes.
-        NotImplementedError: ``compile`` together with a "tp" dim (DTensor is not
-            traceable yet).
 
     Example:
         >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -71,12 +70,6 @@ def parallelize_transformer(
         if not tp_plan:
             raise ValueError(f"{_API}: the mesh has a 'tp' dim of size {tp_size} but no tp_plan.")
         _check_divisible(model, tp_size)
-        if compile:
-            raise NotImplementedError(
-                f"{_API}: compile={compile!r} with a 'tp' dim of size {tp_size}: torch.compile "
-                "cannot trace this library's DTensor yet, so tensor-parallel blocks run eager. "
-                "Pass compile=False, or compile a layout without a 'tp' dim."
-            )
     dp = tuple(n for n in names if n != "tp")
     # 1. tensor parallelism
     if tp_size > 1:

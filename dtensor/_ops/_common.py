@@ -14,7 +14,8 @@ _RULES: dict = {}
 
 
 def register(*ops):
-    """Register ``fn(schema) -> OutputSharding`` for aten overloads or overload packets."""
+    """Register ``fn(schema) -> OutputSharding`` for aten overloads or overload packets, or
+    for ops named like ``"prims::fma"`` (ops a module registers only when it is imported)."""
 
     def deco(fn):
         for op in ops:
@@ -25,7 +26,7 @@ def register(*ops):
 
 
 def find_rule(func):
-    rule = _RULES.get(func) or _RULES.get(func.overloadpacket)
+    rule = _RULES.get(func) or _RULES.get(func.overloadpacket) or _RULES.get(func._schema.name)
     if rule is None and func.__name__.startswith("_foreach_"):
         rule = _RULES.get("_foreach_")
     return rule

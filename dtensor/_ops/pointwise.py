@@ -168,6 +168,8 @@ for _name in _UNARY + _BINARY:
         _op = getattr(aten, _n, None)
         if _op is not None:
             register(_op)(pointwise_rule)
+# a * b + c in one rounding: torch.compile's optimizers emit it (inductor registers the op)
+register("prims::fma")(pointwise_rule)
 
 
 @register("_foreach_")

@@ -136,7 +136,7 @@ def _settle_before_forward(module: nn.Module, name: str) -> None:
     ``assign=True``) puts new ``Parameter`` objects in place, without the old one's hooks."""
     names = module.__dict__.setdefault("_tp_settled_names", [])
     if not names:
-        module.register_forward_pre_hook(_hook_replicated_params)
+        module.register_forward_pre_hook(_eager(_hook_replicated_params))
     if name not in names:
         names.append(name)
 
@@ -207,9 +207,16 @@ def _as_output(y, mesh, layout, desired, use_local: bool):
     return y.to_local() if use_local else y
 
 
+def _eager(fn):
+    """``fn`` run eagerly even inside a ``torch.compile``d region: the styles' hooks and local
+    forwards build DTensors around local tensors and run collectives, which dynamo cannot trace
+    for this DTensor; the code between planned modules is compiled (see docs/compile.md)."""
+    return torch.compiler.disable(fn)
+
+
 def _set_forward(module: nn.Module, fn) -> None:
     """Give ``module`` a forward on local tensors (an instance attribute: hooks still run)."""
-    module.forward = types.MethodType(fn, module)
+    module.forward = types.MethodType(_eager(fn), module)
 
 
 # --------------------------------------------------------------------------- Linear / Embedding
@@ -254,10 +261,10 @@ class ColwiseParallel(ParallelStyle):
             _set_forward(module, _compute.colwise_embedding)
         layout = self.input_layouts
         module.register_forward_pre_hook(
-            lambda _, args: (_as_input(args[0], mesh, layout, Replicate()), *args[1:])
+            _eager(lambda _, args: (_as_input(args[0], mesh, layout, Replicate()), *args[1:]))
         )
         out, local = self.output_layouts, self.use_local_output
-        module.register_forward_hook(lambda _, __, y: _as_output(y, mesh, None, out, local))
+        module.register_forward_hook(_eager(lambda _, __, y: _as_output(y, mesh, None, out, local)))
 
 
 class RowwiseParallel(ParallelStyle):
@@ -303,11 +310,13 @@ class RowwiseParallel(ParallelStyle):
             _distribute(module, "weight", mesh, Shard(0), call)
             fn, layout, desired = _compute.rowwise_embedding, Replicate(), Replicate()
         layout = self.input_layouts or layout
-        module.forward = functools.partial(fn, module, output_layout=out)
+        module.forward = _eager(functools.partial(fn, module, output_layout=out))
         module.register_forward_pre_hook(
-            lambda _, args: (_as_input(args[0], mesh, layout, desired), *args[1:])
+            _eager(lambda _, args: (_as_input(args[0], mesh, layout, desired), *args[1:]))
         )
-        module.register_forward_hook(lambda _, __, y: _as_output(y, mesh, None, None, local))
+        module.register_forward_hook(
+            _eager(lambda _, __, y: _as_output(y, mesh, None, None, local))
+        )
 
 
 # --------------------------------------------------------------------------- sequence parallel
@@ -333,10 +342,12 @@ class SequenceParallel(ParallelStyle):
                 _distribute(sub, name, mesh, Replicate(), call)
         seq = Shard(self.sequence_dim)
         module.register_forward_pre_hook(
-            lambda _, args: (_as_input(args[0], mesh, seq, seq), *args[1:])
+            _eager(lambda _, args: (_as_input(args[0], mesh, seq, seq), *args[1:]))
         )
         local = self.use_local_output
-        module.register_forward_hook(lambda _, __, y: _as_output(y, mesh, None, None, local))
+        module.register_forward_hook(
+            _eager(lambda _, __, y: _as_output(y, mesh, None, None, local))
+        )
 
 
 # --------------------------------------------------------------------------- layouts only
@@ -411,7 +422,7 @@ class PrepareModuleInput(ParallelStyle):
                     kwargs[key] = self._convert(kwargs[key], mesh, _layout(lay, key, ""), want)
             return tuple(args), kwargs
 
-        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        module.register_forward_pre_hook(_eager(pre_hook), with_kwargs=True)
 
 
 class PrepareModuleOutput(ParallelStyle):
@@ -450,4 +461,4 @@ class PrepareModuleOutput(ParallelStyle):
             )
             return new[0] if single else type(out)(new)
 
-        module.register_forward_hook(hook)
+        module.register_forward_hook(_eager(hook))
