@@ -215,6 +215,8 @@ def _index(folder: Path) -> dict:
         ("header_past_end", "header claims"),
         ("header_not_json", "header is not JSON"),
         ("bad_dtype", "has dtype 'F7'"),
+        ("dtype_not_a_name", "has dtype \\[\\]"),
+        ("deep_json", "header is not JSON"),
         ("bad_shape", "bytes .* for 32 bytes"),
         ("pickle_only", "never does"),
     ],
@@ -237,7 +239,8 @@ def test_hf_hostile_input_is_refused_by_name(tmp_path, damage, message):
         (folder / "model.safetensors.index.json").write_text("{not json")
     elif damage == "truncated":
         first.write_bytes(first.read_bytes()[:-5])
-    elif damage in ("header_past_end", "header_not_json", "bad_dtype", "bad_shape"):
+    elif damage in ("header_past_end", "header_not_json", "bad_dtype", "bad_shape",
+                    "dtype_not_a_name", "deep_json"):  # fmt: skip
         raw = first.read_bytes()
         (n,) = struct.unpack("<Q", raw[:8])
         head, data = raw[8 : 8 + n], raw[8 + n :]
@@ -247,6 +250,8 @@ def test_hf_hostile_input_is_refused_by_name(tmp_path, damage, message):
             text = head.decode()
             text = {"header_not_json": text.replace("{", "[", 1),
                     "bad_dtype": text.replace('"F32"', '"F7"'),
+                    "dtype_not_a_name": text.replace('"F32"', "[]"),
+                    "deep_json": "[" * 100_000 + "]" * 100_000,
                     "bad_shape": text.replace("[2,3]", "[4,2]")}[damage]  # fmt: skip
             raw = struct.pack("<Q", len(text)) + text.encode() + data
         first.write_bytes(raw)
@@ -260,3 +265,57 @@ def test_hf_hostile_input_is_refused_by_name(tmp_path, damage, message):
     with pytest.raises(dcp.CheckpointError, match=message):
         dcp.load_hf(sd, folder)
     assert not sd["a"].any() and not sd["b"].any()  # nothing was loaded
+
+
+def test_hf_missing_untied_twin_and_meta_destinations_are_errors(tmp_path):
+    _write_hf(tmp_path)
+    tied = torch.zeros(4)
+    sd = {"a": torch.zeros(2, 3), "b": tied, "b_twin": tied.detach()}  # same memory: fine
+    dcp.load_hf(sd, tmp_path)
+    assert torch.equal(sd["b_twin"], torch.ones(4))
+    with pytest.raises(dcp.CheckpointError, match="missing from the checkpoint: c"):
+        dcp.load_hf({"a": torch.zeros(2, 3), "b": torch.zeros(4), "c": torch.zeros(4)}, tmp_path)
+    with pytest.raises(dcp.CheckpointError, match=r"meta device .*to_empty"):
+        dcp.load_hf({"a": torch.zeros(2, 3, device="meta"), "b": torch.zeros(4)}, tmp_path)
+
+
+def test_hf_single_file_wins_over_an_index_as_in_transformers(tmp_path):
+    from safetensors.torch import save_file
+
+    _write_hf(tmp_path)
+    save_file(
+        {"a": torch.full((2, 3), 7.0), "b": torch.full((4,), 7.0)}, tmp_path / "model.safetensors"
+    )
+    sd = {"a": torch.zeros(2, 3), "b": torch.zeros(4)}
+    dcp.load_hf(sd, tmp_path)
+    assert (sd["a"] == 7).all() and (sd["b"] == 7).all()
+
+
+def test_export_cut_short_leaves_an_unloadable_folder_never_a_mixed_one(tmp_path):
+    from dtensor.checkpoint.hf import export_hf
+
+    def save(value: float, name: str):
+        sd = {"a": torch.full((40,), value), "b": torch.full((40,), value)}
+        dcp.save(sd, checkpoint_id=tmp_path / name)
+
+    save(1.0, "one")
+    save(2.0, "two")
+    out = tmp_path / "hf"
+    assert len(export_hf(tmp_path / "one", out, max_shard_bytes=160)) == 2
+
+    def stop_after_first(key):
+        if key == "a":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        export_hf(tmp_path / "two", out, max_shard_bytes=160, progress=stop_after_first)
+    assert not list(out.glob(".*partial"))
+    sd = {"a": torch.zeros(40), "b": torch.zeros(40)}
+    with pytest.raises(dcp.CheckpointError, match="has neither"):
+        dcp.load_hf(sd, out)
+    assert export_hf(tmp_path / "two", out, max_shard_bytes=160)  # a full export repairs it
+    dcp.load_hf(sd, out)
+    assert (sd["a"] == 2).all() and (sd["b"] == 2).all()
+    (out / "model_ema.safetensors").write_bytes(b"not ours")  # other files are left alone
+    export_hf(tmp_path / "one", out)
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "model_ema.safetensors"]

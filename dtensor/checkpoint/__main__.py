@@ -64,14 +64,14 @@ def _byte_count(text: str) -> int:
     digits = t.rstrip("KMGIB")
     unit = t[len(digits) :]
     try:
-        n = float(digits) * _UNITS[unit]
-    except (ValueError, KeyError):
+        n = int(float(digits) * _UNITS[unit])
+    except (ValueError, KeyError, OverflowError):
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a size; write e.g. 5GB, 500MB, 200MiB or a byte count"
         ) from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: the size must be at least one byte")
-    return int(n)
+    return n
 
 
 def _prefix_map(prefix: str | None):
@@ -82,6 +82,8 @@ def _prefix_map(prefix: str | None):
 
 
 def _consolidate(args, console: Console) -> int:
+    if args.max_shard_size is not None and not args.hf:
+        raise CheckpointError("--max-shard-size applies to --hf output only")
     rows, _ = inspect(args.dir)
     key_map = _prefix_map(args.prefix)
     total = sum(1 for r in rows if key_map is None or key_map(r.key) is not None)
@@ -90,7 +92,8 @@ def _consolidate(args, console: Console) -> int:
         advance = lambda key: bar.advance(task)  # noqa: E731
         if args.hf:
             names = export_hf(args.dir, args.out, key_map=key_map,
-                              max_shard_bytes=args.max_shard_size, progress=advance)  # fmt: skip
+                              max_shard_bytes=args.max_shard_size or DEFAULT_MAX_SHARD_BYTES,
+                              progress=advance)  # fmt: skip
             what = f"{len(names)} file{'s' if len(names) > 1 else ''}"
         else:
             size = consolidate(args.dir, args.out, key_map=key_map, progress=advance)
@@ -119,7 +122,7 @@ def main(argv=None) -> int:
     c.add_argument(
         "--prefix", help="keep only keys starting with this and strip it (e.g. 'model.')"
     )
-    c.add_argument("--max-shard-size", type=_byte_count, default=DEFAULT_MAX_SHARD_BYTES,
+    c.add_argument("--max-shard-size", type=_byte_count, default=None,
                    help="with --hf: the most bytes per file (default 5GB)")  # fmt: skip
     args = parser.parse_args(argv)
     console = Console()
@@ -127,7 +130,7 @@ def main(argv=None) -> int:
         return {"inspect": _inspect, "verify": _verify, "consolidate": _consolidate}[args.command](
             args, console
         )
-    except CheckpointError as e:
+    except (CheckpointError, OSError) as e:
         console.print(f"[red]error[/red] {e}")
         return 1
 

@@ -248,7 +248,8 @@ def load(
     Each DTensor receives its own block, read from the saved chunks that overlap it; plain
     tensors receive the whole tensor; plain values are replaced. With ``strict`` (default),
     keys the state dict has and the checkpoint lacks, and checkpoint keys missing from the
-    state dict under the same top-level names, are one error listing them all. A shape
+    state dict whose first dotted component (``model`` in ``model.wq.weight``) is one of the
+    state dict's, are one error listing them all. A shape
     mismatch is always an error. Nothing is changed unless every rank can load everything.
 
     Example::
@@ -281,6 +282,8 @@ def load_from(state_dict: dict, open_source, *, group: Group, strict: bool, whol
         _check_sources(directory, md, plan)
     except (CheckpointError, OSError) as e:
         problems.append(str(e))
+    except Exception as e:  # anything else must still reach agree(), or the others would hang
+        problems.append(f"{type(e).__name__}: {e}")
     group.agree(problems)
     for path, value in plan.values:
         set_path(state_dict, path, value)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 import zlib
 from collections.abc import Callable
@@ -44,7 +45,7 @@ from dtensor.checkpoint.tools import Assembler
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default "5GB"
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # "5GB" (transformers 5's save_pretrained uses "50GB")
 _MAX_HEADER_BYTES = 100 << 20
 _MAX_INDEX_BYTES = 64 << 20
 _MAX_NDIM = 64
@@ -140,12 +141,12 @@ def _hf_files(path: Path) -> tuple[Path, list[str], dict[str, str] | None]:
         return path.parent, [path.name], None
     if not path.is_dir():
         raise CheckpointError(f"{path} does not exist")
+    if (path / SINGLE_FILE).is_file():  # preferred over an index, as transformers does
+        return path, [SINGLE_FILE], None
     index_path = path / INDEX_FILE
     if index_path.is_file():
         weight_map = _read_index(index_path)
         return path, sorted(set(weight_map.values())), weight_map
-    if (path / SINGLE_FILE).is_file():
-        return path, [SINGLE_FILE], None
     present = sorted(p.name for p in path.iterdir())
     pickled = [n for n in present if n.endswith((".bin", ".pt", ".pth", ".ckpt"))]
     hint = (
@@ -164,7 +165,7 @@ def _read_index(path: Path) -> dict[str, str]:
         raise CheckpointError(f"{path} is {path.stat().st_size} bytes; refusing to parse it")
     try:
         doc = json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict):
@@ -197,7 +198,7 @@ def _read_header(directory: Path, name: str) -> tuple[FileEntry, dict[str, Tenso
         head = prefix + f.read(n)
     try:
         doc = json.loads(head[8:])
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{name}: the header is not JSON ({e})") from None
     if not isinstance(doc, dict):
         raise CheckpointError(f"{name}: the header is not a JSON object")
@@ -215,7 +216,7 @@ def _header_tensor(name: str, key: str, info, entry: FileEntry) -> TensorEntry:
     if not isinstance(info, dict):
         raise CheckpointError(f"{where} is not an object")
     dtype, shape, span = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise CheckpointError(f"{where} has dtype {dtype!r}; known: {sorted(DTYPES)}")
     if not (isinstance(shape, list) and len(shape) <= _MAX_NDIM and all(_count(s) for s in shape)):
         raise CheckpointError(f"{where} has shape {shape!r}; expected non-negative ints")
@@ -249,9 +250,10 @@ def export_hf(
     ``key_map(key)`` gives the Hugging Face name of each checkpoint key, or None to leave it
     out (optimizer state, say). Files are filled in key order up to ``max_shard_bytes``; one
     file is ``model.safetensors``, several are ``model-0000i-of-0000n.safetensors`` with a
-    ``model.safetensors.index.json``. Each file is written under a temporary name and renamed;
-    model files left by an earlier export that this one does not replace are removed, so a
-    loader never mixes the two. Every chunk's CRC-32 is checked as it is read.
+    ``model.safetensors.index.json``. The model files of an earlier export in ``out`` are
+    removed first, each file is written under a temporary name and renamed, and the index
+    comes last: an export cut short leaves a folder that fails to load, never one that mixes
+    two exports. Every chunk's CRC-32 is checked as it is read.
     ``progress(key)`` is called after each tensor.
 
     Example::
@@ -272,6 +274,10 @@ def export_hf(
         [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     )
     out.mkdir(parents=True, exist_ok=True)
+    # What this export replaces goes first: an export cut short leaves a folder that fails
+    # to load (no index, or a missing file), never one that mixes two exports.
+    for stale in _model_files(out):
+        stale.unlink()
     assembler = Assembler(directory, md)
     weight_map = {}
     for name, shard in zip(names, shards, strict=True):
@@ -279,20 +285,30 @@ def export_hf(
             (hf_key, DTYPES[md.tensors[key].dtype], md.tensors[key].shape) for hf_key, key in shard
         ]
         tmp = out / f".{name}.partial"
-        write_stream(
-            tmp, specs, _tensors(assembler, shard, progress), file_metadata={"format": "pt"}
-        )
-        os.replace(tmp, out / name)
+        try:
+            write_stream(
+                tmp, specs, _tensors(assembler, shard, progress), file_metadata={"format": "pt"}
+            )
+            os.replace(tmp, out / name)
+        finally:
+            tmp.unlink(missing_ok=True)
         weight_map.update({hf_key: name for hf_key, _ in shard})
-    keep = set(names)
-    if n > 1:
+    if n > 1:  # the index last: it is what makes the folder loadable
         total = sum(md.tensors[key].nbytes for _, key in pairs)
         _write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
-        keep.add(INDEX_FILE)
-    for stale in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
-        if stale.name not in keep and stale.is_file():
-            stale.unlink()
     return names
+
+
+_SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+
+def _model_files(out: Path) -> list[Path]:
+    """The files an export writes: ``model.safetensors``, the index and numbered shards."""
+    return [
+        p
+        for p in out.iterdir()
+        if p.is_file() and (p.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_NAME.match(p.name))
+    ]
 
 
 def _export_keys(md: Metadata, key_map: KeyMap | None) -> list[tuple[str, str]]:

@@ -48,6 +48,11 @@ def local_item(key: str, value: torch.Tensor, *, for_save: bool) -> LocalItem:
     """
     if value.dtype not in DTYPE_NAMES:
         raise CheckpointError(f"{key!r} has dtype {value.dtype}, which checkpoints do not store")
+    if not for_save and value.device.type == "meta":
+        raise CheckpointError(
+            f"{key!r} is on the meta device and has no memory to load into; call "
+            "model.to_empty(device=...) before loading"
+        )
     if isinstance(value, DTensor):
         if any(isinstance(p, Partial) for p in value.placements):
             if not for_save:

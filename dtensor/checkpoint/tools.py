@@ -145,6 +145,10 @@ def consolidate(directory: str | Path, out: str | Path, *, key_map=None, progres
     keys = [k for k, name in names.items() if name is not None]
     if len(set(names[k] for k in keys)) != len(keys):
         raise CheckpointError("the key_map gives two tensors the same name")
+    if "__metadata__" in (names[k] for k in keys):
+        raise CheckpointError(
+            "the key_map names a tensor '__metadata__', which safetensors reserves"
+        )
     assembler = Assembler(directory, md)
 
     def tensors():
