@@ -31,6 +31,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/train_bench.py $(BENCH_ARGS)
 	$(PY) benchmarks/tp_bench.py
 	$(PY) benchmarks/ckpt_bench.py
+	$(PY) benchmarks/compile_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -52,6 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--bf16", action="store_true", help="bf16 params, fp32 reduce (both FSDPs)")
     p.add_argument("--offload", action="store_true", help="also run ours with CPUOffloadPolicy")
     p.add_argument("--layers", type=int, default=None, help="override the number of blocks")
+    p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)  # compile_bench
     return p.parse_args(argv)
 
 
@@ -67,7 +68,9 @@ def model_config(small: bool, seq: int, size: str = "100m", layers: int | None =
 
 
 # ------------------------------------------------------------------------------ one arm
-def build(arm: str, cfg, device: str = "cpu", bf16: bool = False):
+def build(arm: str, cfg, device: str = "cpu", bf16: bool = False, compile: bool = False):
+    """The arm's model; ``compile``: each block through ``torch.compile`` (inductor) before
+    ``fully_shard``, the per-block recipe both FSDPs document."""
     import torch
 
     from examples.gpt import GPT
@@ -87,6 +90,8 @@ def build(arm: str, cfg, device: str = "cpu", bf16: bool = False):
         with torch.device("meta"):
             model = GPT(cfg)
         for block in model.blocks:
+            if compile:
+                block.compile()
             fully_shard(block, **extra)
         fully_shard(model, **extra)
         model.to_empty(device="cpu" if arm == "ours_offload" else device)
@@ -156,7 +161,7 @@ def worker(args) -> None:
     ws = dist.get_world_size() if arm != "single" else 1
     cfg = model_config(args.small, args.seq, args.size, args.layers)
     device = "cuda" if cuda else "cpu"
-    model = build(arm, cfg, device, args.bf16)
+    model = build(arm, cfg, device, args.bf16, args.compile)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     per_rank = args.global_batch // ws
     g = torch.Generator().manual_seed(rank)
@@ -183,7 +188,9 @@ def worker(args) -> None:
     # and bookkeeping are not part of training).
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    tracked = tracked_peak_bytes(model, opt, lambda: gpt_loss(model, x, y), dev)
+    tracked = (
+        0 if args.compile else tracked_peak_bytes(model, opt, lambda: gpt_loss(model, x, y), dev)
+    )
     step_s = statistics.median(times[args.warmup :])
     flops = peak_flops(args.device)
     result = {
@@ -217,7 +224,8 @@ def run_arm(arm: str, ws: int, args, progress=None) -> dict:
         str(args.warmup), "--global-batch", str(args.global_batch), "--seq", str(args.seq),
         "--device", args.device, "--size", args.size,
     ] + (["--small"] if args.small else []) + (["--bf16"] if args.bf16 else []) + (
-        ["--layers", str(args.layers)] if args.layers else [])  # fmt: skip
+        ["--layers", str(args.layers)] if args.layers else []) + (
+        ["--compile"] if getattr(args, "compile", False) else [])  # fmt: skip
     if arm == "single":
         cmd = [sys.executable, __file__, *flags]
     else:

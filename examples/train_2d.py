@@ -4,6 +4,7 @@ named mesh laid out by ``fsdp2.parallelize_transformer``.
 
     make train-2d                                    # torchrun, 4 CPU processes: dp=2, tp=2
     python examples/train_2d.py --dp 2 --tp 2 --steps 100
+    python examples/train_2d.py --compile                   # blocks torch.compile'd
 
 Ranks of one tensor-parallel group see the same batch; each data-parallel group its own.
 Output as ``examples/train_gpt.py``: progress (or log lines), a loss table, per-rank memory.
@@ -53,6 +54,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--loss-parallel", action="store_true", help="keep logits vocab-sharded")
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing")
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="torch.compile each block (default backend: inductor)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--log-every", type=int, default=50, help="steps between loss lines")
     args = p.parse_args(argv)
@@ -77,6 +86,7 @@ def build(args):
         mesh,
         tp_plan=tp_plan(loss_parallel=args.loss_parallel),
         activation_checkpointing=args.checkpoint,
+        compile=args.compile or False,
     )
     register_fsdp_forward_method(model, "generate")
     model.to_empty(device="cpu")  # each rank allocates only its shards

@@ -7,6 +7,7 @@ as bytes, so the vocabulary is 256. ``--data PATH`` trains on any text file or f
     python examples/train_gpt.py --nproc 4 --steps 100 --dim 256
     python examples/train_gpt.py --checkpoint-dir ckpt --checkpoint-every 100
     python examples/train_gpt.py --checkpoint-dir ckpt --resume --steps 1000
+    python examples/train_gpt.py --compile                # every block torch.compile'd
 
 Checkpoints (``dtensor.checkpoint``) go to ``step-NNNNNN`` folders; ``--resume`` continues
 from the newest one exactly: the batches are a function of (rank, step), so the resumed run
@@ -56,6 +57,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "instructions (AVX512-BF16 or AMX) emulate it: a bf16 matmul measured 26x slower "
         "than fp32 on this project's AMD EPYC CI machine, so there it only exercises the "
         "code path",
+    )
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="torch.compile each block before fully_shard (default backend: inductor)",
     )
     p.add_argument("--nproc", type=int, default=2, help="processes, when not under torchrun")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
@@ -163,6 +172,8 @@ def build_model(args, cfg: GPTConfig) -> GPT:
     if args.bf16:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
+        if args.compile:  # compiled regions inside FSDP's hooks (docs/compile.md)
+            block.compile(backend=args.compile)
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     register_fsdp_forward_method(model, "generate")  # gathers parameters around generate()

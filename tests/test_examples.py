@@ -21,12 +21,15 @@ def test_relaunch_command_parses_under_torchrun():
     # every option of the script, as the docstring's own command line uses them
     argv = ["--nproc", "4", "--steps", "100", "--dim", "256", "--bf16", "--log-every", "5"]
     argv += ["--temperature", "0.7", "--top-k", "10", "--threads", "1", "--seq", "64"]
+    argv += ["--compile", "aot_eager"]
     args = train_gpt.parse_args(argv)
     cmd = train_gpt.torchrun_command(args, argv)
     parsed = get_args_parser().parse_args(cmd[3:])  # what torchrun itself makes of it
     assert parsed.nproc_per_node == "4" and parsed.standalone
     assert "--nproc" not in parsed.training_script_args
-    assert train_gpt.parse_args(parsed.training_script_args).steps == 100
+    forwarded = train_gpt.parse_args(parsed.training_script_args)
+    assert forwarded.steps == 100 and forwarded.compile == "aot_eager"
+    assert train_gpt.parse_args(["--compile"]).compile == "inductor"
     assert train_gpt.torchrun_command(args, ["--nproc=3"])[-1].endswith("train_gpt.py")
 
 
@@ -61,7 +64,7 @@ def test_train_2d_runs_fsdp_with_tensor_parallelism_under_torchrun():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(ROOT / "examples" / "train_2d.py"), "--dp", "2", "--tp", "2"]
     cmd += ["--steps", "4", "--dim", "32", "--layers", "1", "--heads", "2", "--seq", "16"]
-    cmd += ["--batch", "2", "--log-every", "2", "--loss-parallel"]
+    cmd += ["--batch", "2", "--log-every", "2", "--loss-parallel", "--compile", "aot_eager"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "{'dp': 2, 'tp': 2}" in out.stdout
