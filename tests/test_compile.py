@@ -8,8 +8,9 @@
   changes how they run).
 * Whole-model ``torch.compile(model)`` over an FSDP model matches eager.
 * A function of DTensors compiled with ``fullgraph=True`` (pointwise, reduction, matmul) gives
-  eager's values and placements; a compiled ``optimizer.step()`` on FSDP's DTensor
-  parameters equals the same compiled step on one process's plain tensors.
+  eager's values and placements; a compiled AdamW ``step()`` on FSDP's DTensor parameters
+  equals the same compiled step on one process's plain tensors, and a compiled SGD
+  (momentum, weight decay) step equals eager's.
 
 The tensor-parallel block under compile is in tests/test_tensor_parallel.py
 (``test_recipe_compiles_blocks_under_fsdp[fsdp2_tp2]``).
@@ -169,6 +170,25 @@ def _compiled_optimizer_step() -> None:
     for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
         assert isinstance(p, DTensor)
         torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=0, atol=1e-6, msg=name)
+    # SGD with momentum compiles to eager's own arithmetic: compiled equals eager directly
+    eager_model, _ = _fsdp_model()
+    sgd = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+           for m in (model, eager_model)]  # fmt: skip
+    compiled_sgd = torch.compile(sgd[0].step, backend="aot_eager")
+    for p, q in zip(model.parameters(), eager_model.parameters(), strict=True):
+        with torch.no_grad():
+            q.copy_(p)
+    for i in range(3):
+        g = torch.Generator().manual_seed(10 + i)
+        for p, q in zip(model.parameters(), eager_model.parameters(), strict=True):
+            p.grad = distribute_tensor(
+                torch.randn(p.shape, generator=g), p.device_mesh, p.placements
+            )
+            q.grad = p.grad.clone()
+        compiled_sgd()
+        sgd[1].step()
+    for (name, p), q in zip(model.named_parameters(), eager_model.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=0, atol=1e-6, msg=name)
 
 
 def test_compiled_optimizer_step_on_dtensor_parameters():
