@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dtensor import _collectives as C
+from dtensor import _collectives as _eager
+from dtensor import _collectives_traced as T
 from dtensor.placement import (
     Partial,
     Placement,
@@ -117,7 +118,7 @@ def redistribute_local(local: torch.Tensor, spec, dst_placements, *, async_op=Fa
     """
     steps = plan_redistribute(spec.placements, dst_placements)
     cur = list(spec.placements)
-    result = C.Pending.ready(local)
+    result = _eager.Pending.ready(local)
     for n, step in enumerate(steps):
         last = n == len(steps) - 1
         result = _run_step(result.wait(), step, cur, spec, async_op=async_op and last)
@@ -137,6 +138,8 @@ def _dim_size_without(spec, cur, mesh_dim: int, tensor_dim: int) -> int:
 
 def _run_step(local, step: Step, cur, spec, *, async_op: bool):
     mesh, i = spec.mesh, step.mesh_dim
+    # the same collectives, as graph ops, when torch.compile is tracing (no data to send)
+    C = T if T.tracing(local) else _eager
     if step.kind == "all_gather":
         full = _dim_size_without(spec, cur, i, step.src.dim)
         return C.all_gather(local, mesh, i, step.src.dim, full, async_op=async_op)

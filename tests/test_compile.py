@@ -7,8 +7,9 @@
   ``aot_eager`` to keep the suite's time down (it traces the same graphs; inductor only
   changes how they run).
 * Whole-model ``torch.compile(model)`` over an FSDP model matches eager.
-* A function of DTensors compiled with ``fullgraph=True`` (pointwise, reduction, matmul) gives
-  eager's values and placements; a compiled AdamW ``step()`` on FSDP's DTensor parameters
+* A function of DTensors compiled with ``fullgraph=True`` (pointwise, reduction, matmul, and
+  redistributions that become functional collectives in the graph) gives eager's values and
+  placements at world size 3 with uneven shards; a compiled AdamW ``step()`` on FSDP's DTensor parameters
   equals the same compiled step on one process's plain tensors, and a compiled SGD
   (momentum, weight decay) step equals eager's.
 
@@ -123,28 +124,42 @@ def test_compile_variants_under_fsdp_match_eager(variant):
 
 
 # --------------------------------------------------------------------------- DTensor traced
-def _fullgraph_dtensor_function() -> None:
+def _fullgraph_dtensor_function(backend: str) -> None:
     torch._dynamo.reset()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(1)
-    a = distribute_tensor(torch.randn(5, 4), mesh, [Shard(0)])  # 3 + 2 rows
+    a = distribute_tensor(torch.randn(5, 4), mesh, [Shard(0)])  # 5 rows over 3 ranks: 2, 2, 1
+    b = distribute_tensor(torch.randn(5, 4), mesh, [Shard(1)])
     w = distribute_tensor(torch.randn(4, 3), mesh, [Replicate()])
+    v = distribute_tensor(torch.randn(4, 7), mesh, [Shard(0)])
 
-    def f(a, w):
+    def f(a, b, w, v):
         y = torch.relu(a * 2 + 1) - a.exp() / 3  # pointwise
-        z = y @ w  # matmul: Shard(0) x Replicate -> Shard(0)
-        return z.tanh(), z.sum(dim=1), y.sum()  # reductions: kept dim, and a pending sum
+        z = y @ w  # matmul: Shard(0) x Replicate -> Shard(0), no collective
+        pending = b @ v  # Shard(1) x Shard(0) -> Partial, no collective
+        return (
+            z.tanh(),
+            z.sum(dim=1),  # reduction along an unsharded dim
+            y.sum(),  # reduction to a pending sum
+            a + b,  # a redistribution inside the graph (all-to-all)
+            pending.relu(),  # the pending sum reduced inside the graph (all-reduce)
+            a.sum(0).relu() + 1,  # the same after a reduction over the sharded dim
+        )
 
-    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
-    for got, want in zip(compiled(a, w), f(a, w), strict=True):
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    got_all, want_all = compiled(a, b, w, v), f(a, b, w, v)
+    for got, want in zip(got_all, want_all, strict=True):
         assert isinstance(got, DTensor) and got.placements == want.placements
         torch.testing.assert_close(got.to_local(), want.to_local(), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(got.full_tensor(), want.full_tensor(), rtol=1e-6, atol=1e-6)
-    assert compiled(a, w)[2].placements[0].is_partial()
+    assert got_all[2].placements[0].is_partial()
 
 
-def test_fullgraph_compile_of_a_dtensor_function():
-    run_on_ranks(2, _fullgraph_dtensor_function)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_fullgraph_compile_of_a_dtensor_function(backend):
+    """Pointwise, reductions and matmuls, and collectives inside the graph (functional
+    collectives, uneven shards padded), world size 3, values and placements as eager."""
+    run_on_ranks(3, _fullgraph_dtensor_function, timeout_s=200, backend=backend)
 
 
 def _compiled_optimizer_step() -> None:
