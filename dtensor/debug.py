@@ -3,7 +3,8 @@
 Every collective in ``dtensor`` (and in ``fsdp2``, which calls the same helpers) reports to
 the active modes: its kind, the mesh dim it ran over, the group size, and ``bytes`` - the
 size of the buffer each rank contributes (the all-gather input, the all-reduce or
-reduce-scatter input, the all-to-all input, the broadcast/scatter source).
+reduce-scatter input, the all-to-all input, the broadcast/scatter source). Collectives that
+``torch.compile`` put inside a compiled graph run there, outside Python, and are not counted.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ from dtensor.placement import (
 )
 
 
-@torch.compiler.disable
 def _dispatch(func, args, kwargs):
     """[Note: DTensor under torch.compile] DTensor is a traceable subclass: dynamo passes it
     into graphs through ``__tensor_flatten__`` / ``__tensor_unflatten__`` and AOTAutograd
@@ -33,7 +32,9 @@ def _dispatch(func, args, kwargs):
     eagerly while a compiled function is active (a graph break, a runtime wrapper building
     its DTensor outputs) would call into dispatch or ``__new__`` with dynamo's frame hook set,
     and dynamo would try to compile them. ``torch.compiler.disable`` on those entry points
-    runs them, and everything they call, as plain Python (about a microsecond per call)."""
+    runs them, and everything they call, as plain Python (about a microsecond per call).
+    ``__tensor_flatten__`` first finishes an ``async_op`` redistribution still in flight, so
+    a graph never reads the local tensor from before the collective."""
     from dtensor._dispatch import dispatch
 
     return dispatch(func, args, kwargs)
@@ -79,6 +80,7 @@ class DTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
+    @torch.compiler.disable  # [Note: DTensor under torch.compile]
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return _dispatch(func, args, kwargs or {})
 
@@ -100,6 +102,7 @@ class DTensor(torch.Tensor):
         )
 
     def __tensor_flatten__(self):
+        self._local()  # finish a pending async redistribution: the graph reads _local_tensor
         return ["_local_tensor"], (self._spec, self.requires_grad)
 
     @staticmethod

@@ -101,7 +101,12 @@ class IterationContext:
     def ensure_final_callback(self) -> None:
         if not self.callback_queued:
             self.callback_queued = True
-            Variable._execution_engine.queue_callback(self.root.final_callback)
+            Variable._execution_engine.queue_callback(_eager(self.root.final_callback))
+
+
+def _eager(fn):
+    """``fn`` run as plain Python even while a compiled function is active (docs/compile.md)."""
+    return torch.compiler.disable(fn)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -113,6 +118,7 @@ class _PostBackward(torch.autograd.Function):
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
+    @torch.compiler.disable  # the autograd engine calls it: keep dynamo out (docs/compile.md)
     def backward(ctx, *grads):
         ctx.state.post_backward_from_inputs()
         return (None, *grads)
@@ -147,13 +153,14 @@ class FSDPState:
         self._done: set[int] = set()
         self._post_ran = 0  # post-forward hooks that ran normally, for abort detection
         self.handles = []
-        # The hooks run eagerly even inside a compiled module: dynamo does not trace them
-        # (they talk to process groups and keep Python state); the forward between them is
-        # what torch.compile compiles.
+        # The hooks run eagerly even inside a compiled module or a compiled training step:
+        # dynamo does not trace them (they talk to process groups and keep Python state);
+        # the forward between them is what torch.compile compiles. The backward entry
+        # points (pre-backward, post-backward, the final callback) are kept out the same way.
         pre, post, abort = (
-            torch.compiler.disable(h)
-            for h in (self._pre_forward_hook, self._post_forward_hook, self._abort_hook)
+            _eager(h) for h in (self._pre_forward_hook, self._post_forward_hook, self._abort_hook)
         )
+        self._pre_backward_eager = _eager(self._pre_backward)
         for m in modules:
             self.handles += [
                 m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True),
@@ -276,7 +283,7 @@ class FSDPState:
                     self.group.register_sharded()
             self.training_state = TrainingState.IDLE
         if tensors:
-            register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+            register_multi_grad_hook(tensors, self._pre_backward_eager, mode="any")
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         return output

@@ -66,16 +66,22 @@ def _fsdp_model(*, compile_blocks=None, compile_model=None, reshard=None, bf16=F
     return model, model
 
 
-def _train(model, run, steps: int, after_step=None) -> list[float]:
+def _train(model, run, steps: int, after_step=None, compile_step=None) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    losses = []
-    for step in range(steps):
-        x, y = _batch(step)
+
+    def train_step(x, y):
         loss = gpt_loss(run, x, y)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        return loss
+
+    if compile_step:  # the whole step, backward and optimizer included, in torch.compile
+        train_step = torch.compile(train_step, backend=compile_step)
+    losses = []
+    for step in range(steps):
+        losses.append(train_step(*_batch(step)).item())
         if after_step is not None:
             after_step(step)
     return losses
@@ -85,7 +91,9 @@ def _compare(variant: dict, backend: str) -> None:
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    eager_model, eager = _fsdp_model(**{k: v for k, v in variant.items() if k != "whole"})
+    eager_model, eager = _fsdp_model(
+        **{k: v for k, v in variant.items() if k not in ("whole", "step")}
+    )
     want = _train(eager_model, eager, 4)
     counters.clear()
     frames_after = {}
@@ -98,9 +106,12 @@ def _compare(variant: dict, backend: str) -> None:
 
     if variant.get("whole"):
         model, run = _fsdp_model(compile_model=backend)
+    elif variant.get("step"):
+        model, run = _fsdp_model()
     else:
         model, run = _fsdp_model(compile_blocks=backend, **variant)
-    got = _train(model, run, 4, after_step=record)
+    step = backend if variant.get("step") else None
+    got = _train(model, run, 4, after_step=record, compile_step=step)
     assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])  # it did compile
     assert frames_after[3] == frames_after[1], frames_after  # nothing new after step 2
     tol = 2e-2 if variant.get("bf16") else 1e-5
@@ -116,8 +127,14 @@ def test_per_block_compile_under_fsdp_matches_eager_inductor():
 
 @pytest.mark.parametrize(
     "variant",
-    [{"reshard": False}, {"bf16": True}, {"ac": True}, {"whole": True}],
-    ids=["no_reshard_after_forward", "bf16", "activation_checkpointing", "whole_model"],
+    [{"reshard": False}, {"bf16": True}, {"ac": True}, {"whole": True}, {"step": True}],
+    ids=[
+        "no_reshard_after_forward",
+        "bf16",
+        "activation_checkpointing",
+        "whole_model",
+        "whole_training_step",
+    ],  # fmt: skip
 )
 def test_compile_variants_under_fsdp_match_eager(variant):
     run_on_ranks(2, _compare, timeout_s=200, variant=variant, backend="aot_eager")
@@ -148,6 +165,10 @@ def _fullgraph_dtensor_function(backend: str) -> None:
 
     compiled = torch.compile(f, backend=backend, fullgraph=True)
     got_all, want_all = compiled(a, b, w, v), f(a, b, w, v)
+    # a DTensor whose async redistribution is still in flight enters a graph finished
+    pending = (b @ v).redistribute(placements=[Replicate()], async_op=True)
+    twice = torch.compile(lambda t: t * 2 + 1, backend=backend)(pending)
+    torch.testing.assert_close(twice.full_tensor(), (b @ v).full_tensor() * 2 + 1)
     for got, want in zip(got_all, want_all, strict=True):
         assert isinstance(got, DTensor) and got.placements == want.placements
         torch.testing.assert_close(got.to_local(), want.to_local(), rtol=1e-6, atol=1e-6)

@@ -145,7 +145,7 @@ def _hook_replicated_params(module: nn.Module, args) -> None:
     for name in module._tp_settled_names:
         param = module._parameters.get(name)
         if param is not None and param.requires_grad and not getattr(param, "_tp_settles", False):
-            param.register_post_accumulate_grad_hook(_settle_grad)
+            param.register_post_accumulate_grad_hook(_eager(_settle_grad))
             param._tp_settles = True
 
 
