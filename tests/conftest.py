@@ -25,6 +25,11 @@ def pytest_terminal_summary(terminalreporter):
 
 def pytest_addoption(parser):
     parser.addoption(
+        "--world-size-8",
+        action="store_true",
+        help="also run the 8-process tests (about 50 s on a 2-core machine)",
+    )
+    parser.addoption(
         "--layout-seeds",
         type=int,
         default=0,

@@ -9,9 +9,9 @@
 * Whole-model ``torch.compile(model)`` over an FSDP model matches eager.
 * A function of DTensors compiled with ``fullgraph=True`` (pointwise, reduction, matmul, and
   redistributions that become functional collectives in the graph) gives eager's values and
-  placements at world size 3 with uneven shards; a compiled AdamW ``step()`` on FSDP's DTensor parameters
-  equals the same compiled step on one process's plain tensors, and a compiled SGD
-  (momentum, weight decay) step equals eager's.
+  placements at world size 3 with uneven shards; a compiled SGD (momentum, weight decay)
+  ``step()`` on FSDP's DTensor parameters equals eager's, and a whole compiled training step
+  (AdamW included) trains like eager.
 
 The tensor-parallel block under compile is in tests/test_tensor_parallel.py
 (``test_recipe_compiles_blocks_under_fsdp[fsdp2_tp2]``).
@@ -184,36 +184,15 @@ def test_fullgraph_compile_of_a_dtensor_function(backend):
 
 
 def _compiled_optimizer_step() -> None:
-    """The compiled AdamW step on FSDP's DTensors equals the compiled step on one process's
-    plain tensors (same gradients): what compiling does to AdamW's arithmetic (it fuses the
-    moment updates into fma, a few 1e-5 away from eager after 3 steps, on plain tensors too)
-    is the same on shards."""
+    """A compiled SGD (momentum, weight decay) step on FSDP's DTensor parameters equals the
+    eager step. (Compiled AdamW, inside the whole compiled training step above, is compared
+    with eager at 1e-5: compiling fuses its moment updates into fma, which moved a plain,
+    unsharded model 4.4e-5 from eager after 3 steps at lr 1e-2 here.)"""
     torch._dynamo.reset()
-    model, _ = _fsdp_model()
-    torch.manual_seed(0)
-    plain = GPT(_cfg())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
-    step, ref_step = (torch.compile(o.step, backend="aot_eager") for o in (opt, ref_opt))
-    for i in range(3):
-        g = torch.Generator().manual_seed(i)
-        for p, q in zip(model.parameters(), plain.parameters(), strict=True):
-            full = torch.randn(q.shape, generator=g)
-            q.grad = full.clone()
-            p.grad = distribute_tensor(full, p.device_mesh, p.placements)
-        step()
-        ref_step()
-    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
-        assert isinstance(p, DTensor)
-        torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=0, atol=1e-6, msg=name)
-    # SGD with momentum compiles to eager's own arithmetic: compiled equals eager directly
-    eager_model, _ = _fsdp_model()
+    (model, _), (eager_model, _) = _fsdp_model(), _fsdp_model()
     sgd = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
            for m in (model, eager_model)]  # fmt: skip
     compiled_sgd = torch.compile(sgd[0].step, backend="aot_eager")
-    for p, q in zip(model.parameters(), eager_model.parameters(), strict=True):
-        with torch.no_grad():
-            q.copy_(p)
     for i in range(3):
         g = torch.Generator().manual_seed(10 + i)
         for p, q in zip(model.parameters(), eager_model.parameters(), strict=True):
@@ -224,7 +203,9 @@ def _compiled_optimizer_step() -> None:
         compiled_sgd()
         sgd[1].step()
     for (name, p), q in zip(model.named_parameters(), eager_model.parameters(), strict=True):
+        assert isinstance(p, DTensor)
         torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=0, atol=1e-6, msg=name)
+    assert sum(torch._dynamo.utils.counters["stats"].values()) > 0  # it did compile
 
 
 def test_compiled_optimizer_step_on_dtensor_parameters():
