@@ -28,6 +28,7 @@ from device_mesh import init_device_mesh  # noqa: E402
 from dtensor.parallel import loss_parallel  # noqa: E402
 from examples.gpt import GPT, GPTConfig, gpt_loss, tp_plan  # noqa: E402
 from examples.train_gpt import (  # noqa: E402
+    add_compile_argument,
     batch_at,
     load_bytes,
     lr_at,
@@ -54,14 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--loss-parallel", action="store_true", help="keep logits vocab-sharded")
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing")
-    p.add_argument(
-        "--compile",
-        nargs="?",
-        const="inductor",
-        default=None,
-        metavar="BACKEND",
-        help="torch.compile each block (default backend: inductor)",
-    )
+    add_compile_argument(p)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--log-every", type=int, default=50, help="steps between loss lines")
     args = p.parse_args(argv)

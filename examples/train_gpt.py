@@ -58,14 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "than fp32 on this project's AMD EPYC CI machine, so there it only exercises the "
         "code path",
     )
-    p.add_argument(
-        "--compile",
-        nargs="?",
-        const="inductor",
-        default=None,
-        metavar="BACKEND",
-        help="torch.compile each block before fully_shard (default backend: inductor)",
-    )
+    add_compile_argument(p)
     p.add_argument("--nproc", type=int, default=2, help="processes, when not under torchrun")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--log-every", type=int, default=50, help="steps between loss lines")
@@ -79,6 +72,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--resume", action="store_true", help="continue from the newest checkpoint there"
     )
     return p.parse_args(argv)
+
+
+def add_compile_argument(p: argparse.ArgumentParser) -> None:
+    """``--compile [BACKEND]``: torch.compile each block (default backend: inductor)."""
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="torch.compile each block before sharding it (default backend: inductor)",
+    )
 
 
 def torchrun_command(
