@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks._arms import run_worker  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -149,20 +149,9 @@ def worker(args) -> None:
 
 
 def run_arm(impl: str, args, directory: Path) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out = f.name
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        __file__, "--worker", impl, "--out", out, "--repeats", str(args.repeats),
-        "--dir", str(directory),
-    ] + (["--small"] if args.small else [])  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"checkpoint benchmark {impl} failed:\n{proc.stderr[-4000:]}")
-    result = json.loads(Path(out).read_text())
-    os.unlink(out)
-    return result
+    flags = ["--worker", impl, "--repeats", str(args.repeats), "--dir", str(directory)]
+    flags += ["--small"] if args.small else []
+    return run_worker(__file__, flags, nproc=2, what=f"checkpoint {impl}")
 
 
 def main() -> None:

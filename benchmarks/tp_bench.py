@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks._arms import run_worker  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -122,22 +121,12 @@ def worker(args) -> None:
 
 
 def run_arm(impl: str, layout: str, args) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out = f.name
-    ws = 2 if layout == "tp" else 4
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ws}",
-        __file__, "--worker", impl, "--layout", layout, "--out", out, "--steps", str(args.steps),
+    flags = [
+        "--worker", impl, "--layout", layout, "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--global-batch", str(args.global_batch),
         "--seq", str(args.seq),
     ] + (["--small"] if args.small else [])  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"tp benchmark {impl} {layout} failed:\n{proc.stderr[-4000:]}")
-    result = json.loads(Path(out).read_text())
-    os.unlink(out)
-    return result
+    return run_worker(__file__, flags, nproc=2 if layout == "tp" else 4, what=f"tp {impl} {layout}")
 
 
 def main() -> None:

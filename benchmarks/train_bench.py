@@ -22,14 +22,14 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks._arms import run_worker  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -217,29 +217,15 @@ def worker(args) -> None:
 
 # ------------------------------------------------------------------------------ driver
 def run_arm(arm: str, ws: int, args, progress=None) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out = f.name
     flags = [
-        "--worker", arm, "--out", out, "--steps", str(args.steps), "--warmup",
+        "--worker", arm, "--steps", str(args.steps), "--warmup",
         str(args.warmup), "--global-batch", str(args.global_batch), "--seq", str(args.seq),
         "--device", args.device, "--size", args.size,
     ] + (["--small"] if args.small else []) + (["--bf16"] if args.bf16 else []) + (
         ["--layers", str(args.layers)] if args.layers else []) + (
         ["--compile"] if getattr(args, "compile", False) else [])  # fmt: skip
-    if arm == "single":
-        cmd = [sys.executable, __file__, *flags]
-    else:
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={ws}", __file__, *flags,
-        ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"benchmark arm {arm} (ws {ws}) failed:\n{proc.stderr[-4000:]}")
-    result = json.loads(Path(out).read_text())
-    os.unlink(out)
-    return result
+    nproc = None if arm == "single" else ws
+    return run_worker(__file__, flags, nproc=nproc, what=f"{arm} (ws {ws})")
 
 
 def _ratio(r: dict, other: dict | None, key: str) -> str:
