@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 
-from dtensor._collectives import Pending
+from dtensor._collectives import Pending, _pad_dim0
 from dtensor.placement import NormPartial, Partial, chunk_sizes, padded_chunk_size
 
 # torch 2.13 names them *_single; older releases only have *_tensor.
@@ -36,16 +35,10 @@ def tracing(t: torch.Tensor) -> bool:
     return isinstance(t, (FakeTensor, FunctionalTensor))
 
 
-def _pad0(t: torch.Tensor, size: int) -> torch.Tensor:
-    if t.size(0) == size:
-        return t.contiguous()
-    return F.pad(t, [0, 0] * (t.ndim - 1) + [0, size - t.size(0)]).contiguous()
-
-
 def all_gather(local, mesh, mesh_dim: int, tensor_dim: int, full_size: int, *, async_op=False):
     k = mesh.size(mesh_dim)
     pad = padded_chunk_size(full_size, k)
-    x = _pad0(local.movedim(tensor_dim, 0), pad)
+    x = _pad_dim0(local.movedim(tensor_dim, 0), pad)
     out = _gather(x, 0, mesh.get_group(mesh_dim))
     sizes = chunk_sizes(full_size, k)
     if any(s != pad for s in sizes):
@@ -85,7 +78,7 @@ def reduce_scatter(
     sizes, pad = chunk_sizes(full, k), padded_chunk_size(full, k)
     moved = local.movedim(tensor_dim, 0)
     stacked = torch.cat(
-        [_pad0(moved.narrow(0, sum(sizes[:i]), s), pad) for i, s in enumerate(sizes)]
+        [_pad_dim0(moved.narrow(0, sum(sizes[:i]), s), pad) for i, s in enumerate(sizes)]
     )
     x, op, finish = _reduce_args(stacked, partial, k)
     mine = finish(_reduce_scatter(x.contiguous(), op, 0, mesh.get_group(mesh_dim)))
@@ -102,8 +95,8 @@ def all_to_all(
     x = local.movedim((to_dim, from_dim), (0, 1))  # block j along dim 0 goes to rank j
     blocks, offset = [], 0
     for s in to_sizes:
-        blk = _pad0(x.narrow(0, offset, s), pad_to)
-        blocks.append(_pad0(blk.transpose(0, 1), pad_from).transpose(0, 1))
+        blk = _pad_dim0(x.narrow(0, offset, s), pad_to)
+        blocks.append(_pad_dim0(blk.transpose(0, 1), pad_from).transpose(0, 1))
         offset += s
     send = torch.cat(blocks).contiguous()  # (k * pad_to, pad_from, rest...)
     recv = funcol.all_to_all_single(send, None, None, mesh.get_group(mesh_dim))

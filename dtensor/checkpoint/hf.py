@@ -33,22 +33,22 @@ from dtensor.checkpoint.api import load_from, read_metadata
 from dtensor.checkpoint.errors import CheckpointError
 from dtensor.checkpoint.metadata import (
     DTYPES,
+    MAX_NDIM,
     Chunk,
     FileEntry,
     Metadata,
     TensorEntry,
+    is_int,
     itemsize,
     plain_file_name,
 )
-from dtensor.checkpoint.storage import write_stream
+from dtensor.checkpoint.storage import MAX_HEADER_BYTES, write_stream
 from dtensor.checkpoint.tools import Assembler
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # "5GB" (transformers 5's save_pretrained uses "50GB")
-_MAX_HEADER_BYTES = 100 << 20
 _MAX_INDEX_BYTES = 64 << 20
-_MAX_NDIM = 64
 
 KeyMap = Callable[[str], "str | None"]
 
@@ -190,7 +190,7 @@ def _read_header(directory: Path, name: str) -> tuple[FileEntry, dict[str, Tenso
         if len(prefix) < 8:
             raise CheckpointError(f"{name}: {size} bytes, too short to be a safetensors file")
         (n,) = struct.unpack("<Q", prefix)
-        if n > _MAX_HEADER_BYTES or 8 + n > size:
+        if n > MAX_HEADER_BYTES or 8 + n > size:
             raise CheckpointError(
                 f"{name}: its header claims {n} bytes of a {size}-byte file (truncated or not "
                 "safetensors)"
@@ -218,9 +218,9 @@ def _header_tensor(name: str, key: str, info, entry: FileEntry) -> TensorEntry:
     dtype, shape, span = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise CheckpointError(f"{where} has dtype {dtype!r}; known: {sorted(DTYPES)}")
-    if not (isinstance(shape, list) and len(shape) <= _MAX_NDIM and all(_count(s) for s in shape)):
+    if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(is_int(s) for s in shape)):
         raise CheckpointError(f"{where} has shape {shape!r}; expected non-negative ints")
-    if not (isinstance(span, list) and len(span) == 2 and all(_count(x) for x in span)):
+    if not (isinstance(span, list) and len(span) == 2 and all(is_int(x) for x in span)):
         raise CheckpointError(f"{where} has data_offsets {span!r}; expected [begin, end]")
     begin, end = entry.header_end + span[0], entry.header_end + span[1]
     nbytes = math.prod(shape) * itemsize(dtype)
@@ -231,10 +231,6 @@ def _header_tensor(name: str, key: str, info, entry: FileEntry) -> TensorEntry:
         )
     chunk = Chunk((0,) * len(shape), tuple(shape), name, begin, end, None)
     return TensorEntry(dtype=dtype, shape=tuple(shape), chunks=(chunk,))
-
-
-def _count(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= 1 << 62
 
 
 def export_hf(

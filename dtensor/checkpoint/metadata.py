@@ -32,7 +32,7 @@ VERSION = 1
 METADATA_FILE = "metadata.json"
 # Data files are plain names inside the checkpoint directory, never paths.
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}\.safetensors$")
-_MAX_NDIM = 64
+MAX_NDIM = 64
 
 # dtype <-> the names safetensors uses in its headers (also used in metadata.json).
 DTYPES: dict[str, torch.dtype] = {
@@ -192,7 +192,8 @@ def _expect(ok: bool, problem: str) -> None:
         raise CheckpointError(f"{METADATA_FILE}: {problem}")
 
 
-def _is_int(x, lo: int = 0, hi: int = 1 << 62) -> bool:
+def is_int(x, lo: int = 0, hi: int = 1 << 62) -> bool:
+    """Whether ``x`` is a JSON integer (not a bool) in ``[lo, hi]``."""
     return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
 
 
@@ -211,7 +212,7 @@ def _parse_files(doc, on_disk: dict[str, int]) -> dict[str, FileEntry]:
             entry.get("header_end"),
             entry.get("header_crc32"),
         )
-        _expect(_is_int(size) and _is_int(header_end, 8) and _is_int(crc, 0, 0xFFFFFFFF),
+        _expect(is_int(size) and is_int(header_end, 8) and is_int(crc, 0, 0xFFFFFFFF),
                 f"the entry for {name} needs integer 'bytes', 'header_end' and 'header_crc32'")  # fmt: skip
         _expect(
             header_end <= size, f"{name}: header ends at byte {header_end}, past its {size} bytes"
@@ -235,8 +236,8 @@ def _parse_tensor(key: str, doc, files: dict[str, FileEntry]) -> TensorEntry:
     dtype, shape = doc.get("dtype"), doc.get("shape")
     _expect(dtype in DTYPES, f"{where} has dtype {dtype!r}; known: {sorted(DTYPES)}")
     _expect(
-        isinstance(shape, list) and len(shape) <= _MAX_NDIM and all(_is_int(s) for s in shape),
-        f"{where} has shape {shape!r}; expected a list of at most {_MAX_NDIM} non-negative ints",
+        isinstance(shape, list) and len(shape) <= MAX_NDIM and all(is_int(s) for s in shape),
+        f"{where} has shape {shape!r}; expected a list of at most {MAX_NDIM} non-negative ints",
     )
     chunks_doc = doc.get("chunks")
     _expect(isinstance(chunks_doc, list), f"{where} has no 'chunks' list")
@@ -254,7 +255,7 @@ def _parse_chunk(where: str, i: int, doc, ndim: int, size: int, files) -> Chunk:
     offs, sizes = doc.get("offsets"), doc.get("sizes")
     _expect(
         all(
-            isinstance(v, list) and len(v) == ndim and all(_is_int(x) for x in v)
+            isinstance(v, list) and len(v) == ndim and all(is_int(x) for x in v)
             for v in (offs, sizes)
         ),
         f"{where} chunk {i} needs {ndim} non-negative integer 'offsets' and 'sizes'",
@@ -262,7 +263,7 @@ def _parse_chunk(where: str, i: int, doc, ndim: int, size: int, files) -> Chunk:
     name = doc.get("file")
     _expect(name in files, f"{where} chunk {i} names file {name!r}, which 'files' does not list")
     start, end, crc = doc.get("start"), doc.get("end"), doc.get("crc32")
-    _expect(_is_int(start) and _is_int(end) and _is_int(crc, 0, 0xFFFFFFFF),
+    _expect(is_int(start) and is_int(end) and is_int(crc, 0, 0xFFFFFFFF),
             f"{where} chunk {i} needs integer 'start', 'end' and 'crc32'")  # fmt: skip
     f = files[name]
     _expect(

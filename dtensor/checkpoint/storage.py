@@ -26,7 +26,7 @@ import torch
 from dtensor.checkpoint.errors import CheckpointError
 from dtensor.checkpoint.metadata import DTYPE_NAMES, DTYPES, Chunk, FileEntry
 
-_MAX_HEADER_BYTES = 100 << 20
+MAX_HEADER_BYTES = 100 << 20
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -127,7 +127,7 @@ class DataFile:
             if len(head) != entry.header_end or zlib.crc32(head) != entry.header_crc32:
                 raise CheckpointError(f"{self.name}: its header is damaged (CRC-32 mismatch)")
             (n,) = struct.unpack("<Q", head[:8])
-            if n + 8 != entry.header_end or n > _MAX_HEADER_BYTES:
+            if n + 8 != entry.header_end or n > MAX_HEADER_BYTES:
                 raise CheckpointError(
                     f"{self.name}: header length {n} disagrees with metadata.json"
                 )
