@@ -8,6 +8,7 @@ Example:
     >>> (dt * 2).sum().full_tensor()
 """
 
+import torch.optim.optimizer as _optim_optimizer
 import torch.utils._foreach_utils as _foreach_utils
 
 from dtensor import _dispatch  # noqa: F401  (registers the op rules)
@@ -25,9 +26,14 @@ from dtensor._clip import clip_grad_norm_, get_total_norm
 from dtensor.placement import Partial, Placement, Replicate, Shard
 from dtensor.tensor import DTensor
 
-# Let torch.optim and clip_grad_norm_ take their foreach (multi-tensor) paths for DTensors.
-if DTensor not in _foreach_utils._foreach_supported_types:
-    _foreach_utils._foreach_supported_types.append(DTensor)
+# Let torch.optim and clip_grad_norm_ default to their foreach (multi-tensor) paths for
+# DTensors as they do for plain tensors on devices with foreach kernels (CUDA and the like;
+# CPU defaults to the per-tensor loop either way). torch.optim and torch.utils keep two
+# separate lists: without the first, AdamW on a GPU would loop over DTensor parameters one
+# at a time while PyTorch's own DTensor gets the multi-tensor kernels.
+for _types in (_optim_optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
+    if DTensor not in _types:
+        _types.append(DTensor)
 
 __all__ = [
     "DTensor",

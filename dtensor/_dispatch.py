@@ -25,7 +25,7 @@ from dtensor import (
     _inplace,
     _ops,  # noqa: F401  (registers the rules)
 )
-from dtensor._ops._common import OpSchema, OutputSharding, find_rule
+from dtensor._ops._common import OpSchema, OutputSharding, find_rule, is_multi_tensor
 from dtensor._spec import DTensorSpec, TensorMeta
 from dtensor.placement import Replicate, _StridedShard, format_placements
 from dtensor.tensor import DTensor, redistribute_dtensor
@@ -60,7 +60,7 @@ def dispatch(func, args, kwargs):
     _check_inputs(func, leaves)
     if any(isinstance(x, DTensor) and x._spec.has_strided for x in leaves):
         leaves = _unstride_unless_kept(func, leaves, treespec)
-    if not func.__name__.startswith("_foreach_"):
+    if not is_multi_tensor(func):
         leaves = _replicate_scalars(func, leaves)
     key = _cache_key(func, leaves, treespec)
     cached = _CACHE.get(key) if key is not None else None
@@ -292,7 +292,7 @@ def _check_inputs(func, leaves) -> None:
                 "DTensors. Only one-element tensors may be mixed in; convert the tensor with "
                 "distribute_tensor(t, mesh, placements) or DTensor.from_local(...)."
             )
-    if func.__name__.startswith("_foreach_"):
+    if is_multi_tensor(func):
         return  # tensors of different list positions may live on different meshes
     first = meshes[0]
     for m in meshes[1:]:

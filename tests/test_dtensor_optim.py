@@ -28,15 +28,17 @@ def _loss(params):
 
 def _check_optimizers(mesh_shape, opt_name, foreach):
     mesh = init_device_mesh("cpu", mesh_shape)
+    # foreach=None: the default path; "fused": the single-kernel Adam/AdamW (CPU has it too)
+    kw = {"fused": True} if foreach == "fused" else {"foreach": foreach}
 
     def placements_for(t):
         return [Shard(0)] + [Shard(t.ndim - 1)] * (mesh.ndim - 1)
 
     plain, ours = _make(mesh, placements_for)
     make = {
-        "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.1, foreach=foreach),
-        "adam": lambda ps: torch.optim.Adam(ps, lr=0.1, foreach=foreach),
-        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=foreach),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.1, **kw),
+        "adam": lambda ps: torch.optim.Adam(ps, lr=0.1, **kw),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, **kw),
     }[opt_name]
     opt_plain, opt_ours = make(plain), make(ours)
     for _ in range(3):
@@ -64,6 +66,21 @@ def test_optimizers_match_plain(world, mesh_shape, opt_name, foreach):
     run_on_ranks(
         world, _check_optimizers, mesh_shape=mesh_shape, opt_name=opt_name, foreach=foreach
     )
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "adam"])
+def test_fused_adam_matches_plain(opt_name):
+    run_on_ranks(3, _check_optimizers, mesh_shape=(3,), opt_name=opt_name, foreach="fused")
+
+
+def test_dtensor_gets_the_default_multi_tensor_paths():
+    # torch.optim and clip_grad_norm_ pick foreach by default (on CUDA and the like) only
+    # for the tensor types on these two lists; ours must be on both, as PyTorch's DTensor is
+    import torch.optim.optimizer as optimizer
+    import torch.utils._foreach_utils as foreach_utils
+
+    assert DTensor in optimizer._foreach_supported_types
+    assert DTensor in foreach_utils._foreach_supported_types
 
 
 def _grads(params):

@@ -25,9 +25,21 @@ def register(*ops):
     return deco
 
 
+# The optimizers' single-kernel steps: in place on lists of parameters, gradients and
+# states, position by position, like the ``_foreach_`` ops (whose rule they share).
+_FUSED_STEPS = ("_fused_adam_", "_fused_adamw_", "_fused_sgd_")
+
+
+def is_multi_tensor(func) -> bool:
+    """Whether ``func`` works position by position on lists of tensors (``_foreach_*`` and
+    the fused optimizer steps): positions may sit on different meshes."""
+    name = func.__name__
+    return name.startswith("_foreach_") or name.split(".")[0] in _FUSED_STEPS
+
+
 def find_rule(func):
     rule = _RULES.get(func) or _RULES.get(func.overloadpacket) or _RULES.get(func._schema.name)
-    if rule is None and func.__name__.startswith("_foreach_"):
+    if rule is None and is_multi_tensor(func):
         rule = _RULES.get("_foreach_")
     return rule
 
