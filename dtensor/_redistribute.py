@@ -26,6 +26,7 @@ import torch
 from dtensor import _collectives as _eager
 from dtensor import _collectives_traced as T
 from dtensor.placement import (
+    NormPartial,
     Partial,
     Placement,
     Replicate,
@@ -170,7 +171,15 @@ def local_chunk(t: torch.Tensor, tensor_dim: int, num_chunks: int, index: int) -
 
 
 def replicate_to_partial(t: torch.Tensor, partial: Partial, local_rank: int) -> torch.Tensor:
-    """Split a replicated value into partials whose reduction gives it back."""
-    if partial.reduce_op == "sum" and local_rank != 0:
+    """Split a replicated value into partials whose reduction gives it back: the value on
+    local rank 0 and zeros elsewhere for a sum (and for a finite p-norm, whose reduction
+    sums ``|x|^p``), the value everywhere for an average, max, min or infinite norm."""
+    if local_rank != 0 and _sums(partial):
         return torch.zeros_like(t)
     return t.clone()
+
+
+def _sums(partial: Partial) -> bool:
+    if isinstance(partial, NormPartial):
+        return partial.norm_type not in (float("inf"), float("-inf"))
+    return partial.reduce_op == "sum"

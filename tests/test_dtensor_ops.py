@@ -86,6 +86,20 @@ def _check_partial_stays_partial_when_linear():
     _close(e, torch.exp(torch.full((3,), 3.0)))
     # adding a number to a partial would count it on every rank: it must reduce first
     _close(a + 1, torch.full((3,), 4.0))
+    # stacking partials with replicated values keeps the partial (the replicated inputs become
+    # partial locally) for sums and for norms; a finite p-norm counts the value once
+    r = DTensor.from_local(torch.full((3,), 5.0), mesh, [Replicate()])
+    x = torch.arange(6.0) - 2.5
+    sx = distribute_tensor(x, mesh, [Shard(0)])
+    for p in (2.0, 1.0, float("inf")):
+        with CommDebugMode() as comm:
+            s = torch.stack([a, r])
+            norms = torch.stack([torch.linalg.vector_norm(sx, p), r[0]])
+        assert comm.get_total_counts() == 0, (p, comm)
+        assert s.placements == (Partial(),) and isinstance(norms.placements[0], Partial)
+        _close(s, torch.stack([torch.full((3,), 3.0), torch.full((3,), 5.0)]))
+        want = torch.stack([torch.linalg.vector_norm(x, p), torch.tensor(5.0)])
+        _close(torch.linalg.vector_norm(norms, p), torch.linalg.vector_norm(want, p))
 
 
 def test_partial_stays_partial_only_when_linear():

@@ -97,10 +97,13 @@ def _check_clip(norm_type, mixed, foreach):
         plain = [nn.Parameter(torch.randn(s)) for s in SHAPES]
         ours = []
         for i, t in enumerate(plain):
+            # parameter 1 is replicated over "tp" (a norm weight under tensor parallelism)
             if case == "1d":
-                dt = distribute_tensor(t.detach().clone(), mesh["tp"], [Shard(0)])
+                tp = Replicate() if i == 1 else Shard(0)
+                dt = distribute_tensor(t.detach().clone(), mesh["tp"], [tp])
             elif case == "2d" or i % 2 == 0:
-                dt = distribute_tensor(t.detach().clone(), mesh, [Shard(0), Shard(t.ndim - 1)])
+                tp = Replicate() if i == 1 else Shard(t.ndim - 1)
+                dt = distribute_tensor(t.detach().clone(), mesh, [Shard(0), tp])
             else:  # mixed: every other parameter on the 1-D sub-mesh
                 dt = distribute_tensor(t.detach().clone(), mesh["dp"], [Replicate()])
             ours.append(nn.Parameter(dt))
@@ -111,7 +114,11 @@ def _check_clip(norm_type, mixed, foreach):
             total = dtensor.clip_grad_norm_(ours, 1.0, norm_type)
         else:
             # (1,) over 4 ranks: three ranks hold an empty shard, whose norm must count as 0
-            total = torch.nn.utils.clip_grad_norm_(ours, 1.0, norm_type, foreach=foreach)
+            with CommDebugMode() as comm:
+                total = torch.nn.utils.clip_grad_norm_(ours, 1.0, norm_type, foreach=foreach)
+            # the per-gradient norms stay partial through the stack: one reduction per
+            # sharded mesh dim for the whole clip, not one per gradient
+            assert comm.get_comm_counts() == {"all_reduce": 1 if case == "1d" else 2}, comm
             total = total.full_tensor()
         torch.testing.assert_close(total, ref, rtol=1e-5, atol=1e-6)
         for p, q in zip(plain, ours):

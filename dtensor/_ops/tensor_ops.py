@@ -2,7 +2,9 @@
 the whole tensor (QR).
 
 Stacking and concatenating act elementwise on every input, so any ``Partial`` shared by all
-inputs survives; a shard survives unless it lies on the concatenated dim. ``x.new_empty(size)``
+inputs survives; a shard survives unless it lies on the concatenated dim. Stacking also keeps
+a ``Partial`` that some inputs have and the others are replicated for (they become that
+partial locally). ``x.new_empty(size)``
 and its siblings follow ``x``'s placements when ``size`` is ``x``'s shape (a like-shaped
 buffer stays sharded) and are replicated otherwise.
 """
@@ -17,15 +19,24 @@ from dtensor.placement import Partial, Replicate, Shard, local_shape_and_offset
 aten = torch.ops.aten
 
 
-def _common(specs, cat_dim: int | None):
-    """Per mesh dim: the first input's placement if all can take it, else Replicate."""
-    mesh_ndim = specs[0].mesh.ndim
+def _common(specs, cat_dim: int | None, *, keep_partial: bool = False):
+    """Per mesh dim: the first input's placement if all can take it, else Replicate.
+
+    With ``keep_partial``, a ``Partial`` that every input either has or is replicated for is
+    the target: replicated inputs become that partial locally, so no input needs a
+    collective, and one reduction of the result replaces one per partial input."""
     target = []
-    for i in range(mesh_ndim):
-        p = specs[0].placements[i]
+    for i in range(specs[0].mesh.ndim):
+        ps = [s.placements[i] for s in specs]
+        partials = {x for x in ps if isinstance(x, Partial)}
+        if keep_partial and len(partials) == 1:
+            if all(isinstance(x, (Partial, Replicate)) for x in ps):
+                target.append(partials.pop())
+                continue
+        p = ps[0]
         if isinstance(p, Shard) and cat_dim is not None and p.dim == cat_dim:
             p = Replicate()
-        if isinstance(p, Partial) and any(s.placements[i] != p for s in specs):
+        if isinstance(p, Partial) and any(x != p for x in ps):
             p = Replicate()
         target.append(p)
     return tuple(target)
@@ -36,7 +47,9 @@ def stack_rule(schema: OpSchema) -> OutputSharding:
     specs = list(schema.args[0])
     ndim = specs[0].ndim + 1
     dim = (schema.args[1] if len(schema.args) > 1 else schema.kwargs.get("dim", 0)) % ndim
-    need = _common(specs, None)
+    # stacking per-tensor partial results (clip_grad_norm_'s per-gradient norms) keeps them
+    # partial: one reduction of the stack later instead of one per tensor now
+    need = _common(specs, None, keep_partial=True)
     out = tuple(Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p for p in need)
     return OutputSharding([out], {schema.leaf_index(s): need for s in specs})
 
