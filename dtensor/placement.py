@@ -224,8 +224,9 @@ class Partial(Placement):
 class NormPartial(Partial):
     """Partial p-norms: the tensor is the p-norm of the per-rank values.
 
-    Produced by norm reductions over a sharded dim, so that a norm of norms (what
-    ``clip_grad_norm_`` computes) stays exact: ``||(||a||, ||b||)||_p == ||(a, b)||_p``.
+    Produced by norm reductions over a sharded dim. Partial norms stack without
+    communication, and the norm of the stack (what ``clip_grad_norm_`` computes) reduces them
+    once and stays exact: ``||(||a||, ||b||)||_p == ||(a, b)||_p``.
     """
 
     __slots__ = ()

@@ -119,6 +119,8 @@ def _check_clip(norm_type, mixed, foreach):
             # the per-gradient norms stay partial through the stack: one reduction per
             # sharded mesh dim for the whole clip, not one per gradient
             assert comm.get_comm_counts() == {"all_reduce": 1 if case == "1d" else 2}, comm
+            # replicated, as PyTorch's is: one rank may read it alone (logging on rank 0)
+            assert all(isinstance(p, Replicate) for p in total.placements), total.placements
             total = total.full_tensor()
         torch.testing.assert_close(total, ref, rtol=1e-5, atol=1e-6)
         for p, q in zip(plain, ours):

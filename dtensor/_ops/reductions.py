@@ -132,15 +132,16 @@ def vector_norm_rule(schema: OpSchema) -> OutputSharding:
     p = float(a["ord"])
     reduced = _reduced_dims(a["dim"], spec.ndim)
     partial = NormPartial(p)
-    # A norm of partial norms with the same p, over everything, is again a partial norm.
-    # A 0-d input is its own norm's absolute value, whatever p.
-    full = reduced == set(range(spec.ndim))
+    # A 0-d partial norm is its own norm's absolute value, whatever p: it stays partial.
+    # Any other partial input is reduced first, so the norm of stacked partial norms (the
+    # total that clip_grad_norm_ returns) comes out replicated, as PyTorch's does, after one
+    # reduction of the whole stack; a rank can then read it alone (``.item()``).
     out, need = _reduce_placements(
         spec,
         reduced,
         a["keepdim"],
         partial,
-        lambda q: isinstance(q, NormPartial) and full and (q.norm_type == p or spec.ndim == 0),
+        lambda q: isinstance(q, NormPartial) and spec.ndim == 0,
     )
     real = spec.meta.dtype.to_real() if spec.meta.dtype.is_complex else spec.meta.dtype
     local_fn = _with_identity(schema.func, 0.0, reduced, a["keepdim"], a["dtype"] or real)
