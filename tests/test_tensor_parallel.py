@@ -260,7 +260,7 @@ def test_tp_gradients_with_biases(ws):
 
 
 # ------------------------------------------------------------------------- recipe from meta
-def _recipe_from_meta(layout, compile):
+def _recipe_from_meta(layout, compile, checkpoint=False):
     """``parallelize_transformer`` on a meta-device model, then ``to_empty`` and
     ``reset_parameters``: the sharded init draws one process's values, and training matches."""
     from fsdp2 import parallelize_transformer
@@ -270,7 +270,9 @@ def _recipe_from_meta(layout, compile):
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     with torch.device("meta"):
         model = GPT(cfg)
-    parallelize_transformer(model, mesh, tp_plan=tp_plan(), compile=compile)
+    parallelize_transformer(
+        model, mesh, tp_plan=tp_plan(), compile=compile, activation_checkpointing=checkpoint
+    )
     model.to_empty(device="cpu")
     torch.manual_seed(5)
     model.reset_parameters()
@@ -304,10 +306,15 @@ def _recipe_from_meta(layout, compile):
         )
 
 
-@pytest.mark.parametrize("layout", ["tp2", "fsdp2_tp2"])
-def test_recipe_on_meta_device_initializes_and_trains_like_one_process(layout):
+@pytest.mark.parametrize(
+    "layout, checkpoint", [("tp2", False), ("fsdp2_tp2", False), ("tp2", True)]
+)
+def test_recipe_on_meta_device_initializes_and_trains_like_one_process(layout, checkpoint):
+    """``checkpoint``: activation checkpointing around each block, whose recomputation in
+    backward gathers the sequence again (and composes with [Note: regather in backward])."""
     shape, _ = LAYOUTS[layout]
-    run_on_ranks(int(torch.tensor(shape).prod()), _recipe_from_meta, layout=layout, compile=False)
+    run_on_ranks(int(torch.tensor(shape).prod()), _recipe_from_meta, layout=layout,
+                 compile=False, checkpoint=checkpoint)  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", ["fsdp2", "fsdp2_tp2"])
@@ -456,6 +463,110 @@ def _sequence_parallel_like_pytorch():
 
 def test_sequence_parallel_and_prepare_input_match_pytorch():
     run_on_ranks(2, _sequence_parallel_like_pytorch)
+
+
+# ------------------------------------------------------------------------- regather in backward
+class _Mix(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 12)
+        self.b = nn.Linear(8, 12)
+
+    def forward(self, h):
+        return F.gelu(self.a(h)) * self.b(h)
+
+
+class _GatherSites(nn.Module):
+    """A sequence-parallel norm, then two gather sites: a ``PrepareModuleInput`` whose input
+    two column-parallel linears share, and a column-parallel head with ``Shard(1)`` input."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.mix = _Mix()
+        self.out = nn.Linear(12, 8)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.head(x + self.out(self.mix(self.norm(x))))
+
+
+def _gather_site_model(mesh, regather: bool):
+    torch.manual_seed(0)
+    gather = PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+        regather_in_backward=regather,
+    )  # fmt: skip
+    return parallelize_module(_GatherSites(), mesh, {
+        "norm": SequenceParallel(),
+        "mix": gather,
+        "mix.a": ColwiseParallel(),
+        "mix.b": ColwiseParallel(),
+        "out": RowwiseParallel(output_layouts=Shard(1)),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(),
+                                regather_in_backward=regather),
+    })  # fmt: skip
+
+
+def _regather_matches_keeping_the_gathered_input():
+    import weakref
+
+    ws = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (ws,))
+    torch.manual_seed(1)
+    x = torch.randn(2, 5, 8)  # 5 tokens: uneven over 2 and 3 ranks
+    g = torch.randn(2, 5, 10)
+    local_x = x.chunk(ws, dim=1)[dist.get_rank()]
+    runs = {}
+    for regather in (False, True):
+        model = _gather_site_model(mesh, regather)
+        kept = []
+        model.mix.a.register_forward_pre_hook(
+            lambda _, args, kept=kept: kept.append(weakref.ref(args[0]._local_tensor))
+        )
+        inp = local_x.clone().requires_grad_()
+        out = model(inp)
+        alive_after_forward = kept[0]() is not None
+        with CommDebugMode() as comm:
+            out.backward(g, retain_graph=True)
+        first = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+        out.backward(g)  # a second pass over the same graph: the gradients double
+        second = {n: p.grad.to_local() for n, p in model.named_parameters()}
+        gathers = comm.get_comm_counts().get("all_gather", 0)
+        runs[regather] = (out.detach(), inp.grad, first, second, gathers, alive_after_forward)
+    (out, gin, first, second, gathers, alive), (r_out, r_gin, r_first, r_second, r_gathers,
+                                                r_alive) = runs[False], runs[True]  # fmt: skip
+    # the same values, bit for bit: the same shards gathered by the same collective
+    assert torch.equal(out, r_out) and torch.equal(gin, r_gin)
+    for n in first:
+        assert torch.equal(first[n], r_first[n]), n
+        assert torch.equal(second[n], r_second[n]), n
+        torch.testing.assert_close(second[n], 2 * first[n], rtol=1e-6, atol=1e-6, msg=n)
+    # the graph kept the gathered input without regather, and only its shard with it
+    assert alive and not r_alive
+    # one more all-gather per gather site in backward (the shared input gathered once)
+    assert r_gathers == gathers + 2, (gathers, r_gathers)
+
+
+def test_gathered_inputs_are_saved_as_shards_and_gathered_again_in_backward():
+    for ws in (2, 3):
+        run_on_ranks(ws, _regather_matches_keeping_the_gathered_input)
+
+
+def _regather_sees_in_place_changes():
+    ws = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (ws,))
+    lin = parallelize_module(
+        nn.Linear(6, 4), mesh, ColwiseParallel(input_layouts=Shard(0), output_layouts=Replicate())
+    )
+    shard = torch.randn(3, 6)
+    out = lin(shard)
+    shard.add_(1.0)  # the shard the backward would gather again
+    _raises(RuntimeError, "modified in place before backward", lambda: out.sum().backward())
+
+
+def test_regather_refuses_a_shard_changed_after_forward():
+    run_on_ranks(2, _regather_sees_in_place_changes)
 
 
 # ------------------------------------------------------------------------- errors

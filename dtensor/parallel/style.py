@@ -28,6 +28,7 @@ from dtensor import debug
 from dtensor._api import distribute_tensor
 from dtensor._collectives import _dim_label as mesh_dim_label
 from dtensor.parallel import _compute
+from dtensor.parallel._regather import SaveShards
 from dtensor.placement import Placement, Replicate, Shard, chunk_sizes, format_placements
 from dtensor.tensor import DTensor, redistribute_dtensor
 
@@ -149,8 +150,11 @@ def _hook_replicated_params(module: nn.Module, args) -> None:
             param._tp_settles = True
 
 
-def _as_input(x, mesh, layout, desired):
-    """``x`` as a DTensor in ``desired`` (a plain tensor is this rank's piece of ``layout``)."""
+def _as_input(x, mesh, layout, desired, saver: SaveShards | None = None):
+    """``x`` as a DTensor in ``desired`` (a plain tensor is this rank's piece of ``layout``).
+
+    With a ``saver``, an input gathered from a shard is noted in it, so that the module's
+    backward keeps the shard rather than the gathered tensor ([Note: regather in backward])."""
     if layout is None or not isinstance(x, torch.Tensor):
         return x
     if isinstance(x, DTensor):
@@ -163,7 +167,10 @@ def _as_input(x, mesh, layout, desired):
     else:
         dt = DTensor.from_local(x, mesh, (layout,), shape=_global_shape(x, mesh, layout))
     if desired is not None and dt.placements != (desired,):
+        shard, before = dt._local(), dt.placements[0]
         dt = dt.redistribute(placements=(desired,))
+        if saver is not None and before.is_shard() and desired.is_replicate():
+            saver.add(dt._local(), shard, mesh, before, dt.shape)
     return dt
 
 
@@ -214,6 +221,30 @@ def _eager(fn):
     return torch.compiler.disable(fn)
 
 
+def _hook_inputs(module: nn.Module, prepare, regather: bool) -> None:
+    """Register ``prepare(args, kwargs, saver) -> (args, kwargs)`` as ``module``'s input
+    hook. With ``regather``, tensors that the forward saves from inputs ``prepare`` gathered
+    are kept as their shards until the forward returns ([Note: regather in backward])."""
+    active: list[SaveShards | None] = []
+
+    def before(_, args, kwargs):
+        active.append(None)  # popped by ``after`` even if ``prepare`` raises
+        saver = SaveShards() if regather and torch.is_grad_enabled() else None
+        args, kwargs = prepare(args, kwargs, saver)
+        if saver:
+            active[-1] = saver.__enter__()
+        return args, kwargs
+
+    def after(*_):
+        if active:
+            saver = active.pop()
+            if saver is not None:
+                saver.__exit__(None, None, None)
+
+    module.register_forward_pre_hook(_eager(before), with_kwargs=True)
+    module.register_forward_hook(_eager(after), always_call=True)
+
+
 def _set_forward(module: nn.Module, fn) -> None:
     """Give ``module`` a forward on local tensors (an instance attribute: hooks still run)."""
     module.forward = types.MethodType(_eager(fn), module)
@@ -226,7 +257,10 @@ class ColwiseParallel(ParallelStyle):
 
     The input is gathered to ``Replicate`` (from ``input_layouts``, default ``Replicate()``);
     the output is the feature-sharded result, ``Shard(-1)``, redistributed to
-    ``output_layouts`` and handed on as a local tensor when ``use_local_output``.
+    ``output_layouts`` and handed on as a local tensor when ``use_local_output``. An input
+    gathered from a shard is saved for backward as the shard and gathered again there;
+    ``regather_in_backward=False`` keeps the gathered tensor instead, as PyTorch's style does
+    ([Note: regather in backward]).
 
     Example:
         >>> parallelize_module(mlp, mesh["tp"], {"fc": ColwiseParallel(),
@@ -235,12 +269,20 @@ class ColwiseParallel(ParallelStyle):
 
     supported = (nn.Linear, nn.Embedding)
 
-    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output=True):
+    def __init__(
+        self,
+        *,
+        input_layouts=None,
+        output_layouts=None,
+        use_local_output=True,
+        regather_in_backward: bool = True,
+    ):
         self.input_layouts = _layout(input_layouts, "input_layouts", "ColwiseParallel", Replicate())
         self.output_layouts = _layout(
             output_layouts, "output_layouts", "ColwiseParallel", Shard(-1)
         )
         self.use_local_output = use_local_output
+        self.regather_in_backward = regather_in_backward
 
     def _check(self, module, path):
         super()._check(module, path)
@@ -260,9 +302,11 @@ class ColwiseParallel(ParallelStyle):
             _distribute(module, "weight", mesh, Shard(1), call)
             _set_forward(module, _compute.colwise_embedding)
         layout = self.input_layouts
-        module.register_forward_pre_hook(
-            _eager(lambda _, args: (_as_input(args[0], mesh, layout, Replicate()), *args[1:]))
-        )
+
+        def prepare(args, kwargs, saver):
+            return (_as_input(args[0], mesh, layout, Replicate(), saver), *args[1:]), kwargs
+
+        _hook_inputs(module, prepare, self.regather_in_backward)
         out, local = self.output_layouts, self.use_local_output
         module.register_forward_hook(_eager(lambda _, __, y: _as_output(y, mesh, None, out, local)))
 
@@ -363,6 +407,11 @@ class PrepareModuleInput(ParallelStyle):
     """Redistribute a module's positional inputs from ``input_layouts`` to
     ``desired_input_layouts`` (one entry per input; ``None`` leaves that input alone).
 
+    Inputs gathered from a shard (``Shard(1) -> Replicate()`` before the column-parallel
+    linears of a sequence-parallel block) are saved for backward as their shards and gathered
+    again there, once per backward pass; ``regather_in_backward=False`` keeps the gathered
+    tensors instead, as PyTorch's style does ([Note: regather in backward]).
+
     Example:
         >>> PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     """
@@ -375,6 +424,7 @@ class PrepareModuleInput(ParallelStyle):
         input_kwarg_layouts=None,
         desired_input_kwarg_layouts=None,
         use_local_output: bool = False,
+        regather_in_backward: bool = True,
     ):
         style = "PrepareModuleInput"
         self.input_layouts = _layouts(input_layouts, "input_layouts", style)
@@ -382,6 +432,7 @@ class PrepareModuleInput(ParallelStyle):
         self.input_kwarg_layouts = dict(input_kwarg_layouts or {})
         self.desired_input_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
         self.use_local_output = use_local_output
+        self.regather_in_backward = regather_in_backward
         if (self.input_layouts is None) != (self.desired_input_layouts is None) or (
             self.input_layouts is not None
             and len(self.input_layouts) != len(self.desired_input_layouts)
@@ -397,14 +448,14 @@ class PrepareModuleInput(ParallelStyle):
                 f"{sorted(self.desired_input_kwarg_layouts)}."
             )
 
-    def _convert(self, x, mesh, layout, desired):
+    def _convert(self, x, mesh, layout, desired, saver):
         if layout is None or not isinstance(x, torch.Tensor):
             return x
-        dt = _as_input(x, mesh, layout, desired)
+        dt = _as_input(x, mesh, layout, desired, saver)
         return dt.to_local() if self.use_local_output else dt
 
     def _apply(self, module, mesh, call):
-        def pre_hook(_, args, kwargs):
+        def prepare(args, kwargs, saver):
             args = list(args)
             if self.input_layouts is not None:
                 if len(args) < len(self.input_layouts):
@@ -415,14 +466,15 @@ class PrepareModuleInput(ParallelStyle):
                 for i, (lay, want) in enumerate(
                     zip(self.input_layouts, self.desired_input_layouts, strict=True)
                 ):
-                    args[i] = self._convert(args[i], mesh, lay, want)
+                    args[i] = self._convert(args[i], mesh, lay, want, saver)
             for key, lay in self.input_kwarg_layouts.items():
                 if key in kwargs:
                     want = _layout(self.desired_input_kwarg_layouts[key], key, "PrepareModuleInput")
-                    kwargs[key] = self._convert(kwargs[key], mesh, _layout(lay, key, ""), want)
+                    lay = _layout(lay, key, "")
+                    kwargs[key] = self._convert(kwargs[key], mesh, lay, want, saver)
             return tuple(args), kwargs
 
-        module.register_forward_pre_hook(_eager(pre_hook), with_kwargs=True)
+        _hook_inputs(module, prepare, self.regather_in_backward)
 
 
 class PrepareModuleOutput(ParallelStyle):
