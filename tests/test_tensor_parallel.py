@@ -16,6 +16,8 @@ one backward instead (``test_tp_gradients_with_biases``).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -261,6 +263,15 @@ def test_tp_gradients_with_biases(ws):
 
 
 # ------------------------------------------------------------------------- recipe from meta
+def _in_runtime(filename: str) -> bool:
+    """Whether ``filename`` is a source file of the library's runtime packages."""
+    root = Path(__file__).resolve().parent.parent
+    return any(Path(filename).resolve().is_relative_to(root / pkg) for pkg in _RUNTIME)
+
+
+_RUNTIME = ("device_mesh", "dtensor", "fsdp2")
+
+
 def _recipe_from_meta(layout, compile, checkpoint=False):
     """``parallelize_transformer`` on a meta-device model, then ``to_empty`` and
     ``reset_parameters``: the sharded init draws one process's values, and training matches.
@@ -300,6 +311,9 @@ def _recipe_from_meta_float64(layout, compile, checkpoint):
     for name, p in model.named_parameters():
         assert p.device_mesh.mesh_dim_names == names, name
         assert torch.equal(p.full_tensor(), ref_params[name].detach()), name
+    from torch._dynamo.convert_frame import input_codes  # the frames dynamo was handed
+
+    frames_before = len(input_codes.seen)
     index, n_dp = _dp_index(mesh, names)
     batches = _batches(n_dp)
     # every gradient is laid out like its parameter (replicated ones summed once), though
@@ -311,10 +325,13 @@ def _recipe_from_meta_float64(layout, compile, checkpoint):
         assert p.grad.placements == p.placements, (name, p.grad.placements)
     model.zero_grad(set_to_none=True)
     losses = _train(model, batches, index, clip=torch.nn.utils.clip_grad_norm_)
-    if compile:  # the blocks really ran compiled
+    if compile:  # the blocks really ran compiled, and none of the runtime's frames did
         from torch._dynamo.utils import counters
 
         assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
+        codes = [ref() for ref in input_codes.seen[frames_before:]]
+        runtime = [c for c in codes if c is not None and _in_runtime(c.co_filename)]
+        assert not runtime, [(c.co_name, c.co_filename, c.co_firstlineno) for c in runtime]
     ref_losses = _train(ref, batches, None, clip=torch.nn.utils.clip_grad_norm_)
     assert p.dtype == torch.float64
     torch.testing.assert_close(

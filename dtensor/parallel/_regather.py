@@ -103,7 +103,10 @@ class SaveShards:
         return handle.take().as_strided(size, stride, offset)
 
     def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        # Outside dynamo, like the styles' hooks: traced, ``_pack`` guarded on the storage
+        # addresses it looked up, recompiled for each new one and hit the recompile limit.
+        pack, unpack = torch.compiler.disable(self._pack), torch.compiler.disable(self._unpack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self._hooks.__enter__()
         return self
 
