@@ -517,6 +517,22 @@ class DeviceMesh:
             return self._origin[1]._get_root_mesh()
         return self._root
 
+    def _resources(self) -> dict:
+        """Runtime resources that the layers above keep with this mesh, one dict per root
+        (slices and flattened meshes share their root's): dtensor's collective workspaces,
+        keyed by process group. A copy is the mesh itself, and a pickle is a description,
+        so neither carries them.
+
+        Example:
+            >>> mesh["tp"]._resources() is mesh._resources()
+            True
+        """
+        root = self._get_root_mesh()
+        found = root.__dict__.get("_layer_resources")
+        if found is None:
+            found = root._layer_resources = {}
+        return found
+
     # ----------------------------------------------------------------------------- copies
     def __copy__(self) -> DeviceMesh:
         return self  # meshes are immutable and hold process groups: copies share them

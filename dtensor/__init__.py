@@ -23,6 +23,7 @@ from dtensor._api import (
     zeros,
 )
 from dtensor._clip import clip_grad_norm_, get_total_norm
+from dtensor._workspace import Workspace, collective_workspace
 from dtensor.placement import Partial, Placement, Replicate, Shard
 from dtensor.tensor import DTensor
 
@@ -51,4 +52,6 @@ __all__ = [
     "randn",
     "clip_grad_norm_",
     "get_total_norm",
+    "collective_workspace",
+    "Workspace",
 ]

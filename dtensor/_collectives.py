@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dtensor import debug
+from dtensor import _workspace, debug
 from dtensor.placement import NormPartial, Partial, chunk_offsets, chunk_sizes, padded_chunk_size
 
 # torch 2.13 prefers the *_single names; older releases only have *_tensor.
@@ -203,7 +203,8 @@ def all_gather(
         row_bytes = pad * (local.numel() // max(local.size(tensor_dim), 1)) * local.element_size()
         debug.record("all_gather", _dim_label(mesh, mesh_dim), k, row_bytes)
         sizes = chunk_sizes(full_size, k)
-        done = _gather_blocks(local, group, mesh.get_local_rank(mesh_dim), tensor_dim, sizes)
+        ws = _workspace.workspace_of(mesh, mesh_dim)
+        done = _gather_blocks(local, group, mesh.get_local_rank(mesh_dim), tensor_dim, sizes, ws)
         return done if async_op else Pending.ready(done.wait())
     x = _pad_dim0(local.movedim(tensor_dim, 0), pad)  # (pad, ...)
     row = x.reshape(1, -1)
@@ -226,7 +227,7 @@ def all_reduce(local, mesh, mesh_dim: int, partial: Partial, *, async_op=False) 
     """Reduce partial values over the mesh dim; every rank gets the result."""
     group = mesh.get_group(mesh_dim)
     k = mesh.size(mesh_dim)
-    x, op, finish_fn = _prepare_reduce(local, partial, k)
+    x, op, finish_fn = _prepare_reduce(local, partial, k, _workspace.workspace_of(mesh, mesh_dim))
     debug.record("all_reduce", _dim_label(mesh, mesh_dim), k, x.numel() * x.element_size())
     work = dist.all_reduce(x, op=op, group=group, async_op=async_op)
     if async_op:
@@ -249,7 +250,8 @@ def reduce_scatter(
         nbytes = k * pad * (local.numel() // max(full, 1)) * local.element_size()
         debug.record("reduce_scatter", _dim_label(mesh, mesh_dim), k, nbytes)
         divide_by = float(k) if partial.reduce_op == "avg" else 1.0
-        done = _reduce_blocks(local, group, idx, tensor_dim, sizes, divide_by)
+        ws = _workspace.workspace_of(mesh, mesh_dim)
+        done = _reduce_blocks(local, group, idx, tensor_dim, sizes, divide_by, ws)
         return done if async_op else Pending.ready(done.wait())
     moved = local.movedim(tensor_dim, 0)
     blocks = [_pad_dim0(moved.narrow(0, sum(sizes[:i]), s), pad) for i, s in enumerate(sizes)]
@@ -292,22 +294,31 @@ def _exchange(group, idx: int, k: int, send_to, recv_from) -> list:
     return works
 
 
+def _buffer(ws, shape, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialized buffer of ``shape`` with ``like``'s dtype and device: from the
+    workspace ``ws`` when there is one ([Note: collective workspace]), else ``new_empty``."""
+    if ws is None:
+        return like.new_empty(shape)
+    return ws.empty(shape, like.dtype, like.device)
+
+
 def _block_shape(local: torch.Tensor, dim: int, size: int) -> list[int]:
     shape = list(local.shape)
     shape[dim] = size
     return shape
 
 
-def _gather_blocks(local, group, idx: int, dim: int, sizes: list[int]) -> Pending:
-    """All-gather of the ``torch.chunk`` blocks of ``dim`` (``local`` is block ``idx``)."""
-    send = local.contiguous()
-    full = torch.empty(_block_shape(local, dim, sum(sizes)), dtype=local.dtype, device=local.device)
+def _gather_blocks(local, group, idx: int, dim: int, sizes: list[int], ws=None) -> Pending:
+    """All-gather of the ``torch.chunk`` blocks of ``dim`` (``local`` is block ``idx``).
+    Buffers come from ``ws`` (a ``Workspace``) when given ([Note: collective workspace])."""
+    send = local if local.is_contiguous() else _buffer(ws, local.shape, local).copy_(local)
+    full = _buffer(ws, _block_shape(local, dim, sum(sizes)), local)
     if dim == 0:  # each block is a contiguous run of the result: receive in place
         blocks = list(full.split(sizes, 0))
         blocks[idx].copy_(send)
     else:
         blocks = [
-            send if j == idx else local.new_empty(_block_shape(local, dim, s))
+            send if j == idx else _buffer(ws, _block_shape(local, dim, s), local)
             for j, s in enumerate(sizes)
         ]
     works = _exchange(group, idx, len(sizes), lambda j: send, lambda j: blocks[j])
@@ -322,15 +333,18 @@ def _gather_blocks(local, group, idx: int, dim: int, sizes: list[int]) -> Pendin
     return Pending(None, finish)
 
 
-def _reduce_blocks(local, group, idx: int, dim: int, sizes: list[int], divide_by: float):
+def _reduce_blocks(local, group, idx: int, dim: int, sizes: list[int], divide_by: float, ws=None):
     """Sum reduce-scatter: rank ``j`` gets the rank-ordered sum of every rank's block ``j``
-    of ``dim``, divided by ``divide_by``."""
+    of ``dim``, divided by ``divide_by``. Buffers come from ``ws`` when given."""
     offsets = chunk_offsets(sum(sizes), len(sizes))
     shape = _block_shape(local, dim, sizes[idx])
-    out = local.new_empty(shape)
-    recv = [None if j == idx else local.new_empty(shape) for j in range(len(sizes))]
+    out = _buffer(ws, shape, local)
+    recv = [None if j == idx else _buffer(ws, shape, local) for j in range(len(sizes))]
     blocks = [local.narrow(dim, o, s) for o, s in zip(offsets, sizes)]
-    sends = [b if j == idx else b.contiguous() for j, b in enumerate(blocks)]
+    sends = [
+        b if j == idx or b.is_contiguous() else _buffer(ws, b.shape, b).copy_(b)
+        for j, b in enumerate(blocks)
+    ]
     works = _exchange(group, idx, len(sizes), lambda j: sends[j], lambda j: recv[j])
 
     def finish() -> torch.Tensor:
@@ -416,13 +430,14 @@ def broadcast(t: torch.Tensor, mesh, mesh_dim: int, src_local_rank: int) -> torc
     return t
 
 
-def _prepare_reduce(local: torch.Tensor, partial: Partial, k: int):
-    """Buffer, ReduceOp and post-processing for reducing ``partial`` values over ``k`` ranks.
-    Booleans (``any``/``all`` partials) travel as bytes: not every backend reduces bools."""
+def _prepare_reduce(local: torch.Tensor, partial: Partial, k: int, ws=None):
+    """Buffer (from ``ws`` when given), ReduceOp and post-processing for reducing
+    ``partial`` values over ``k`` ranks. Booleans (``any``/``all`` partials) travel as
+    bytes: not every backend reduces bools."""
     if local.dtype == torch.bool:
         x, op, finish = _prepare_reduce(local.to(torch.uint8), partial, k)
         return x, op, lambda y: finish(y).to(torch.bool)
-    x = local.contiguous().clone()
+    x = _buffer(ws, local.shape, local).copy_(local)
     if isinstance(partial, NormPartial):
         p = partial.norm_type
         if p == float("inf"):

@@ -25,6 +25,7 @@ import torch
 
 from dtensor import _collectives as _eager
 from dtensor import _collectives_traced as T
+from dtensor import _workspace
 from dtensor.placement import (
     NormPartial,
     Partial,
@@ -155,19 +156,26 @@ def _run_step(local, step: Step, cur, spec, *, async_op: bool):
     if step.kind == "reduce_scatter":
         return C.reduce_scatter(local, mesh, i, step.dst.dim, step.src, async_op=async_op)
     if step.kind == "slice":
+        ws = None if C is T else _workspace.workspace_of(mesh, i)
         return C.Pending.ready(
-            local_chunk(local, step.dst.dim, mesh.size(i), mesh.get_local_rank(i))
+            local_chunk(local, step.dst.dim, mesh.size(i), mesh.get_local_rank(i), ws)
         )
     if step.kind == "to_partial":
         return C.Pending.ready(replicate_to_partial(local, step.dst, mesh.get_local_rank(i)))
     raise AssertionError(f"unknown redistribute step {step}")
 
 
-def local_chunk(t: torch.Tensor, tensor_dim: int, num_chunks: int, index: int) -> torch.Tensor:
-    """This rank's ``torch.chunk`` piece of ``t`` along ``tensor_dim`` (a copy)."""
+def local_chunk(
+    t: torch.Tensor, tensor_dim: int, num_chunks: int, index: int, ws=None
+) -> torch.Tensor:
+    """This rank's ``torch.chunk`` piece of ``t`` along ``tensor_dim``: a copy (``clone``), or
+    a contiguous one in a buffer of the workspace ``ws`` ([Note: collective workspace])."""
     n = t.size(tensor_dim)
     start = chunk_offsets(n, num_chunks)[index]
-    return t.narrow(tensor_dim, start, chunk_sizes(n, num_chunks)[index]).clone()
+    piece = t.narrow(tensor_dim, start, chunk_sizes(n, num_chunks)[index])
+    if ws is None:
+        return piece.clone()
+    return ws.empty(piece.shape, piece.dtype, piece.device).copy_(piece)
 
 
 def replicate_to_partial(t: torch.Tensor, partial: Partial, local_rank: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 
 from device_mesh import DeviceMesh, as_device_mesh
 from dtensor import _collectives as C
+from dtensor import _workspace
 from dtensor._redistribute import redistribute_local
 from dtensor._spec import DTensorSpec, TensorMeta, contiguous_stride
 from dtensor.placement import (
@@ -244,7 +245,12 @@ class DTensor(torch.Tensor):
             >>> distribute_tensor(t, mesh, [Shard(0)]).full_tensor().equal(t)
             True
         """
-        replicated = self.redistribute(placements=[Replicate()] * self.device_mesh.ndim)
+        placements = [Replicate()] * self.device_mesh.ndim
+        if torch.compiler.is_compiling():  # traced collectives use no workspace anyway
+            replicated = self.redistribute(placements=placements)
+        else:  # the result is the caller's to keep: no kept buffer under it
+            with _workspace.bypassed():
+                replicated = self.redistribute(placements=placements)
         return replicated.to_local(grad_placements=grad_placements)
 
 

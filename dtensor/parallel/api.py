@@ -9,6 +9,7 @@ import logging
 from torch import nn
 
 from device_mesh import as_device_mesh
+from dtensor._workspace import collective_workspace
 from dtensor.parallel.style import ParallelizeCall, ParallelStyle
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,9 @@ def parallelize_module(
     module with different seeds still agree. ``None`` skips that communication: each rank
     keeps its own values' slice (right when every rank built the same values, or will
     initialize after parallelizing). Parameters on the meta device are never communicated.
+
+    The mesh's collectives then reuse their CPU buffers from step to step
+    (``dtensor.collective_workspace``; [Note: collective workspace]).
 
     Example:
         >>> mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
@@ -72,6 +76,7 @@ def parallelize_module(
     call = ParallelizeCall(src_data_rank)
     for _, sub, style in targets:
         style._apply(sub, mesh, call)
+    collective_workspace(mesh)  # activations cross this dim every step
     return module
 
 
