@@ -5,12 +5,23 @@ over the default group, even for ranks that are not members. Meshes therefore en
 the rank sets of a mesh dim (not only the one this rank belongs to) and ask this module for
 each, in a deterministic order. A rank set is created once per backend and then served from
 the cache, so slicing a mesh or building a second mesh of the same shape creates nothing.
+
+[Note: weak group references] The cache and the meshes hold process groups weakly (``hold``,
+``resolve``), as PyTorch's DeviceMesh holds only their names. ``torch.distributed`` keeps
+every group alive until ``destroy_process_group()``, which then lets it go: a gloo group's
+destructor joins its worker threads while Python still runs. Held strongly here, a group
+outlived that call into interpreter shutdown, where a worker thread releasing a finished
+collective's tensor needs the GIL and aborted the process ("terminate called without an
+active exception", SIGABRT at exit: about 1 run in 40 of a two-rank torchrun script that
+ends right after a collective; PyTorch's pull request 179291 describes the same crash). A
+mesh used after ``destroy_process_group()`` raises instead of reaching a destroyed group.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import weakref
 from datetime import timedelta
 
 import torch
@@ -18,8 +29,40 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-# (backend, ranks) -> ProcessGroup (or GroupMember.NON_GROUP_MEMBER on non-members)
+# (backend, ranks) -> hold(ProcessGroup) (or GroupMember.NON_GROUP_MEMBER on non-members)
 _GROUP_CACHE: dict[tuple[str, tuple[int, ...]], object] = {}
+
+
+def hold(group):
+    """What a mesh or the cache keeps for ``group``: a weak reference to a process group
+    ([Note: weak group references]); None and the non-member sentinel as they are.
+
+    Example:
+        >>> resolve(hold(dist.group.WORLD)) is dist.group.WORLD
+        True
+    """
+    if group is None or group is dist.GroupMember.NON_GROUP_MEMBER:
+        return group
+    return weakref.ref(group)
+
+
+def resolve(held, *, api: str = "DeviceMesh"):
+    """The process group ``held`` refers to; a clear error once it was destroyed.
+
+    Example:
+        >>> resolve(hold(group)) is group
+        True
+    """
+    if not isinstance(held, weakref.ref):
+        return held
+    group = held()
+    if group is None:
+        raise RuntimeError(
+            f"{api}: this mesh's process group was destroyed (destroy_process_group() was "
+            "called). Build a new mesh after init_process_group()."
+        )
+    return group
+
 
 # Backend per device type. A device type absent here has no usable backend.
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
@@ -110,7 +153,8 @@ def get_group(ranks: tuple[int, ...], backend: str, *, create: bool = True):
     """
     _drop_stale_cache()
     key = (backend, tuple(sorted(ranks)))
-    group = _GROUP_CACHE.get(key)
+    held = _GROUP_CACHE.get(key)
+    group = held() if isinstance(held, weakref.ref) else held
     if group is not None:
         return group
     if not create:
@@ -121,18 +165,19 @@ def get_group(ranks: tuple[int, ...], backend: str, *, create: bool = True):
     else:
         group = dist.new_group(ranks=list(key[1]), backend=backend)
         logger.debug("created %s process group over ranks %s", backend, key[1])
-    _GROUP_CACHE[key] = group
+    _GROUP_CACHE[key] = hold(group)
     return group
 
 
-_CACHE_WORLD: list[object] = [None]
+_CACHE_WORLD: list[object] = [None]  # hold() of the default group the cache belongs to
 
 
 def _drop_stale_cache() -> None:
     # A destroyed and re-initialized default group invalidates every cached subgroup.
-    if _CACHE_WORLD[0] is not dist.group.WORLD:
+    world = _CACHE_WORLD[0]() if isinstance(_CACHE_WORLD[0], weakref.ref) else None
+    if world is None or world is not dist.group.WORLD:
         _GROUP_CACHE.clear()
-        _CACHE_WORLD[0] = dist.group.WORLD
+        _CACHE_WORLD[0] = hold(dist.group.WORLD)
 
 
 def register_group(group, backend: str) -> None:
@@ -140,7 +185,7 @@ def register_group(group, backend: str) -> None:
     meshes built from it can be sliced, compared and unpickled without creating groups."""
     _drop_stale_cache()
     ranks = tuple(sorted(dist.get_process_group_ranks(group)))
-    _GROUP_CACHE.setdefault((backend, ranks), group)
+    _GROUP_CACHE.setdefault((backend, ranks), hold(group))
 
 
 def clear_cache() -> None:

@@ -57,7 +57,8 @@ class DeviceMesh:
         names = _check_dim_names(mesh_dim_names, mesh_tensor.ndim, api="DeviceMesh")
         _check_ranks(mesh_tensor, dist.get_world_size())
         self._init_root(device_type, backend, mesh_tensor, names)
-        self._dim_groups = [self._create_dim_groups(d) for d in range(self.ndim)]
+        # held weakly: [Note: weak group references] in _groups.py
+        self._dim_groups = [_groups.hold(self._create_dim_groups(d)) for d in range(self.ndim)]
         logger.info("built %r", self)
 
     def _init_root(self, device_type, backend, mesh_tensor, names) -> None:
@@ -150,7 +151,7 @@ class DeviceMesh:
                     f"{d} is {out.ranks_along(d)}. Pass the groups in mesh-dim order."
                 )
             _groups.register_group(g, backend)
-        out._dim_groups = groups
+        out._dim_groups = [_groups.hold(g) for g in groups]
         return out
 
     @classmethod
@@ -242,17 +243,17 @@ class DeviceMesh:
             >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
             >>> dist.all_reduce(t, group=mesh.get_group("tp"))   # sums over this rank's row
         """
-        group = self._dim_groups[self._dim_or_only(mesh_dim, api="DeviceMesh.get_group")]
+        held = self._dim_groups[self._dim_or_only(mesh_dim, api="DeviceMesh.get_group")]
         if self._coordinate is None:
             raise RuntimeError(
                 f"DeviceMesh.get_group: rank {self._rank} is not in {self!r}; only member "
                 "ranks have its process groups."
             )
-        return group
+        return _groups.resolve(held, api="DeviceMesh.get_group")
 
     def get_all_groups(self) -> list:
         """The process group of every mesh dim, in mesh-dim order."""
-        return list(self._dim_groups)
+        return [_groups.resolve(h, api="DeviceMesh.get_all_groups") for h in self._dim_groups]
 
     def ranks_along(self, mesh_dim: int | str) -> list[int]:
         """Global ranks of this rank's slice along ``mesh_dim``, in mesh order.
@@ -423,7 +424,9 @@ class DeviceMesh:
             if self._rank in row:
                 mine = group
         flat_ranks = self._mesh.reshape(-1)
-        flat = DeviceMesh._view(root, flat_ranks, None if name is None else (name,), [()], [mine])
+        flat = DeviceMesh._view(
+            root, flat_ranks, None if name is None else (name,), [()], [_groups.hold(mine)]
+        )
         flat._root = flat
         flat._dims = ((0,),)
         flat._flat_of = self._root_dims
@@ -520,8 +523,9 @@ class DeviceMesh:
     def _resources(self) -> dict:
         """Runtime resources that the layers above keep with this mesh, one dict per root
         (slices and flattened meshes share their root's): dtensor's collective workspaces,
-        keyed by process group. A copy is the mesh itself, and a pickle is a description,
-        so neither carries them.
+        keyed by process-group name (never the group itself: [Note: weak group
+        references]). A copy is the mesh itself, and a pickle is a description, so neither
+        carries them.
 
         Example:
             >>> mesh["tp"]._resources() is mesh._resources()
@@ -579,7 +583,7 @@ def _rebuild_mesh(description: tuple) -> DeviceMesh:
             mesh._init_root(
                 device_type, _groups.backend_for(device_type), _as_mesh_tensor(ranks), names
             )
-            mesh._dim_groups = [mesh._cached_dim_group(d) for d in range(mesh.ndim)]
+            mesh._dim_groups = [_groups.hold(mesh._cached_dim_group(d)) for d in range(mesh.ndim)]
             return mesh
         if kind == "slice":
             _, root_description, names, flats = description

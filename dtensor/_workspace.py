@@ -209,11 +209,11 @@ def collective_workspace(mesh, mesh_dim: int | str = 0) -> Workspace:
         >>> ws.budget = 128 << 20          # allow more for long sequences
         >>> ws.hits, ws.kept, ws.plain     # after some steps: (1800, 9, 0)
     """
-    group = mesh.get_group(mesh_dim)
+    key = (_KEY, mesh.get_group(mesh_dim).group_name)  # a name: the mesh holds groups weakly
     resources = mesh._resources()
-    found = resources.get((_KEY, group))
+    found = resources.get(key)
     if found is None:
-        found = resources[(_KEY, group)] = Workspace()
+        found = resources[key] = Workspace()
     return found
 
 
@@ -228,7 +228,7 @@ def workspace_of(mesh, mesh_dim: int | str) -> Workspace | None:
     resources = mesh._resources()
     if not resources:
         return None
-    return resources.get((_KEY, mesh.get_group(mesh_dim)))
+    return resources.get((_KEY, mesh.get_group(mesh_dim).group_name))
 
 
 def empty(workspace: Workspace | None, shape, dtype: torch.dtype, device) -> torch.Tensor:

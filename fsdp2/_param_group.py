@@ -57,13 +57,19 @@ class PostForwardMesh:
     """
 
     def __init__(self, ranks: list[int], my_pos: int, k: int, backend: str) -> None:
-        from device_mesh._groups import get_group
+        from device_mesh._groups import get_group, hold
 
         self.size = k
         self.index = my_pos % k
         blocks = [tuple(ranks[i : i + k]) for i in range(0, len(ranks), k)]
         groups = [get_group(b, backend) for b in blocks]  # every rank creates every block
-        self.group = groups[my_pos // k]
+        self._group = hold(groups[my_pos // k])  # weakly, as meshes hold theirs
+
+    @property
+    def group(self):
+        from device_mesh._groups import resolve
+
+        return resolve(self._group, api="fully_shard(reshard_after_forward=int)")
 
 
 class PendingReduce:

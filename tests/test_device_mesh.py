@@ -188,16 +188,26 @@ def test_validation_needs_no_process_group():
 
 TORCHRUN_SCRIPT = textwrap.dedent(
     """
-    import torch, torch.distributed as dist
+    import gc, weakref
+    import pytest, torch, torch.distributed as dist
     from device_mesh import init_device_mesh
     assert not dist.is_initialized()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     t = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(t, group=mesh.get_group("dp"))
     assert t.item() == 3.0, t
+    grid = init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b"))
+    groups = [weakref.ref(g) for g in (*grid.get_all_groups(), grid["a", "b"].flatten().get_group())]
     print(f"rank {mesh.get_rank()} ok", flush=True)
     dist.barrier()  # no rank tears gloo down while its peer still talks to it
     dist.destroy_process_group()
+    # [Note: weak group references]: nothing of ours keeps a group alive past this point,
+    # so gloo joined its threads now, not during interpreter shutdown (SIGABRT at exit)
+    gc.collect()
+    assert all(g() is None for g in groups), [g() for g in groups]
+    with pytest.raises(RuntimeError, match="was destroyed"):
+        mesh.get_group("dp")
+    print(f"rank {dist.get_rank() if dist.is_initialized() else mesh.get_rank()} clean", flush=True)
     """
 )
 
@@ -217,6 +227,7 @@ def test_works_under_torchrun(tmp_path):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "rank 0 ok" in out.stdout and "rank 1 ok" in out.stdout
+    assert "rank 0 clean" in out.stdout and "rank 1 clean" in out.stdout, out.stderr
 
 
 # ----------------------------------------------------------------------------- recipe features
