@@ -46,6 +46,11 @@ def hold(group):
     return weakref.ref(group)
 
 
+def _alive(held):
+    """The process group ``held`` refers to, or None once it was destroyed."""
+    return held() if isinstance(held, weakref.ref) else held
+
+
 def resolve(held, *, api: str = "DeviceMesh"):
     """The process group ``held`` refers to; a clear error once it was destroyed.
 
@@ -53,10 +58,8 @@ def resolve(held, *, api: str = "DeviceMesh"):
         >>> resolve(hold(group)) is group
         True
     """
-    if not isinstance(held, weakref.ref):
-        return held
-    group = held()
-    if group is None:
+    group = _alive(held)
+    if group is None and held is not None:
         raise RuntimeError(
             f"{api}: this mesh's process group was destroyed (destroy_process_group() was "
             "called). Build a new mesh after init_process_group()."
@@ -153,8 +156,7 @@ def get_group(ranks: tuple[int, ...], backend: str, *, create: bool = True):
     """
     _drop_stale_cache()
     key = (backend, tuple(sorted(ranks)))
-    held = _GROUP_CACHE.get(key)
-    group = held() if isinstance(held, weakref.ref) else held
+    group = _alive(_GROUP_CACHE.get(key))
     if group is not None:
         return group
     if not create:
@@ -174,7 +176,7 @@ _CACHE_WORLD: list[object] = [None]  # hold() of the default group the cache bel
 
 def _drop_stale_cache() -> None:
     # A destroyed and re-initialized default group invalidates every cached subgroup.
-    world = _CACHE_WORLD[0]() if isinstance(_CACHE_WORLD[0], weakref.ref) else None
+    world = _alive(_CACHE_WORLD[0])
     if world is None or world is not dist.group.WORLD:
         _GROUP_CACHE.clear()
         _CACHE_WORLD[0] = hold(dist.group.WORLD)

@@ -203,7 +203,7 @@ def all_gather(
         row_bytes = pad * (local.numel() // max(local.size(tensor_dim), 1)) * local.element_size()
         debug.record("all_gather", _dim_label(mesh, mesh_dim), k, row_bytes)
         sizes = chunk_sizes(full_size, k)
-        ws = _workspace.workspace_of(mesh, mesh_dim)
+        ws = _workspace.workspace_for_group(mesh, group)
         done = _gather_blocks(local, group, mesh.get_local_rank(mesh_dim), tensor_dim, sizes, ws)
         return done if async_op else Pending.ready(done.wait())
     x = _pad_dim0(local.movedim(tensor_dim, 0), pad)  # (pad, ...)
@@ -227,7 +227,9 @@ def all_reduce(local, mesh, mesh_dim: int, partial: Partial, *, async_op=False) 
     """Reduce partial values over the mesh dim; every rank gets the result."""
     group = mesh.get_group(mesh_dim)
     k = mesh.size(mesh_dim)
-    x, op, finish_fn = _prepare_reduce(local, partial, k, _workspace.workspace_of(mesh, mesh_dim))
+    x, op, finish_fn = _prepare_reduce(
+        local, partial, k, _workspace.workspace_for_group(mesh, group)
+    )
     debug.record("all_reduce", _dim_label(mesh, mesh_dim), k, x.numel() * x.element_size())
     work = dist.all_reduce(x, op=op, group=group, async_op=async_op)
     if async_op:
@@ -250,7 +252,7 @@ def reduce_scatter(
         nbytes = k * pad * (local.numel() // max(full, 1)) * local.element_size()
         debug.record("reduce_scatter", _dim_label(mesh, mesh_dim), k, nbytes)
         divide_by = float(k) if partial.reduce_op == "avg" else 1.0
-        ws = _workspace.workspace_of(mesh, mesh_dim)
+        ws = _workspace.workspace_for_group(mesh, group)
         done = _reduce_blocks(local, group, idx, tensor_dim, sizes, divide_by, ws)
         return done if async_op else Pending.ready(done.wait())
     moved = local.movedim(tensor_dim, 0)

@@ -60,7 +60,7 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)  # absent: no workspa
 _bypass = threading.local()
 
 
-@dataclass
+@dataclass(eq=False)  # buffers are told apart by identity
 class _Buffer:
     storage: torch.UntypedStorage
     nbytes: int
@@ -143,7 +143,9 @@ class Workspace:
 
     def _take(self, need: int) -> _Buffer | None:
         self._clock += 1
-        self._buffers = [b for b in self._buffers if not b.left_the_workspace()]
+        gone = [b for b in self._buffers if b.nbytes == need and b.left_the_workspace()]
+        if gone:  # e.g. freed by ``resize_(0)``: not ours to hand out any more
+            self._buffers = [b for b in self._buffers if b not in gone]
         same = [b for b in self._buffers if b.nbytes == need]
         for buf in same:
             if buf.is_free():
@@ -162,6 +164,7 @@ class Workspace:
     def _make_room(self, need: int) -> bool:
         """Whether ``need`` more bytes fit the budget, evicting stale free buffers (the
         longest unused first) if that makes them fit; nothing is evicted otherwise."""
+        self._buffers = [b for b in self._buffers if not b.left_the_workspace()]
         over = self.held_bytes + need - self.budget
         if over <= 0:
             return True
@@ -225,20 +228,18 @@ def workspace_of(mesh, mesh_dim: int | str) -> Workspace | None:
         >>> workspace_of(mesh["dp"], 0) is None   # only made on request
         True
     """
-    resources = mesh._resources()
-    if not resources:
-        return None
-    return resources.get((_KEY, mesh.get_group(mesh_dim).group_name))
+    return workspace_for_group(mesh, mesh.get_group(mesh_dim))
 
 
-def empty(workspace: Workspace | None, shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """``workspace.empty(...)``, or ``torch.empty`` when there is no workspace.
+def workspace_for_group(mesh, group) -> Workspace | None:
+    """``workspace_of`` for a collective that already has ``group`` (one of ``mesh``'s).
 
     Example::
 
-        >>> empty(None, (2, 3), torch.float32, "cpu").shape
-        torch.Size([2, 3])
+        >>> workspace_for_group(mesh, mesh.get_group("tp")) is collective_workspace(mesh["tp"])
+        True
     """
-    if workspace is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    return workspace.empty(shape, dtype, device)
+    resources = mesh._resources()
+    if not resources:
+        return None
+    return resources.get((_KEY, group.group_name))
