@@ -139,6 +139,11 @@ def replaced_by(param: nn.Parameter) -> FSDPParam | None:
     return getattr(param, "_fsdp_replaced_by", None)
 
 
+def unsharded_of(param: torch.Tensor) -> FSDPParam | None:
+    """The ``FSDPParam`` whose unsharded parameter ``param`` is, if it is one."""
+    return getattr(param, "_fsdp_unsharded_of", None)
+
+
 def is_managed(param: torch.Tensor) -> bool:
     """Whether ``param`` is a sharded parameter some ``fully_shard`` call created."""
     return bool(getattr(param, "_fsdp_managed", False))
@@ -308,6 +313,7 @@ class FSDPParam:
             param._fsdp_owner = self
         else:
             param = nn.Parameter(full, requires_grad=self.requires_grad)
+        param._fsdp_unsharded_of = self
         self.unsharded_param = param
         self._unsharded_key = key
 
@@ -338,6 +344,7 @@ class FSDPParam:
         grad = current.grad if current is not None else None
         data = self._as_tp(local) if self.tp_spec is not None else local
         self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
+        self.unsharded_param._fsdp_unsharded_of = self
         if grad is not None:
             self.unsharded_param.grad = grad
 

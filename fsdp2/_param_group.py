@@ -8,11 +8,12 @@ Memory state (``ShardedState``):
   rows of ``k`` ranks' shards, so backward re-gathers within a group of ``k``.
 
 An all-gather in flight (``unshard()`` issued, ``wait_for_unshard()`` not yet called) is
-``gather_in_flight``. Which tensors the modules *register* is separate from the memory state:
-the unsharded parameters are registered only while the group's modules run forward or
-backward (``register_unsharded`` / ``register_sharded``, called by the hooks), so
-``state_dict()`` and ``named_parameters()`` between steps always see the sharded DTensors,
-even when the unsharded memory is kept (``reshard_after_forward=False``, ``unshard()``).
+``gather_in_flight``. What the modules *register* follows the memory state, as in PyTorch's
+FSDP2: once an all-gather completes they register the unsharded parameters, and resharding
+registers the sharded DTensors again. So after ``unshard()``, after a forward that keeps the
+memory (``reshard_after_forward=False``) and during a group's backward, a module's attributes
+and ``named_parameters()`` are the unsharded tensors; ``SHARDED_POST_FORWARD`` registers the
+sharded DTensors. ``state_dict()`` reshards first (``_state_dict.py``).
 
 ``post_backward()`` takes the unsharded gradients and issues one reduction of their
 rank-major blocks in the reduce dtype, plus one "had a gradient" flag per parameter, so a
@@ -124,6 +125,7 @@ class FSDPParamGroup:
         self.state = ShardedState.SHARDED
         self._gather: C.AllGather | None = None
         self._kept_rows: torch.Tensor | None = None  # SHARDED_POST_FORWARD only
+        self._gathered_versions: list[int] | None = None  # shard versions at the last gather
         self.registered_unsharded = False
         self._partial_reduce: torch.Tensor | None = None  # HSDP, requires_all_reduce=False
 
@@ -196,12 +198,19 @@ class FSDPParamGroup:
 
     def unshard(self) -> None:
         """Start the all-gather (returns at once); ``wait_for_unshard`` completes it."""
-        if self.state is ShardedState.UNSHARDED or self._gather is not None:
+        if self._gather is not None:
             return
+        if self.state is ShardedState.UNSHARDED:
+            if not self._shards_changed():
+                return
+            # [Note: stale gathered copies] kept since before an optimizer step (a forward
+            # under no_grad, or reshard_after_backward=False, then step()): gather again
+            self.reshard()
         if not self.params or self.trivial:  # nothing to gather (a tie moved all away)
             for p in self.params:
                 p.alias_shard()
             self.state = ShardedState.UNSHARDED
+            self.register_unsharded()
             return
         dtype = self.param_dtype
         for p in self.params:
@@ -212,6 +221,7 @@ class FSDPParamGroup:
             f"kept rows do not match state {self.state}",
         )
         self.comm.hold_pages_for(sum(p.storage.nbytes for p in self.params))
+        self._gathered_versions = [p.local._version for p in self.params]
         self._gather = C.foreach_all_gather(
             self.params,
             dtype=dtype,
@@ -222,6 +232,14 @@ class FSDPParamGroup:
             post_forward=self.post_forward,
         )
 
+    def _shards_changed(self) -> bool:
+        """Whether a shard was written since the all-gather that filled the unsharded
+        parameters (in-place updates bump a tensor's version counter)."""
+        versions = self._gathered_versions
+        return versions is not None and any(
+            p.local._version != v for p, v in zip(self.params, versions, strict=True)
+        )
+
     def wait_for_unshard(self) -> None:
         """Finish a started all-gather; the unsharded parameters then hold the full values."""
         if self._gather is None:
@@ -229,14 +247,16 @@ class FSDPParamGroup:
         gather, self._gather = self._gather, None
         gather.wait()
         self.state = ShardedState.UNSHARDED
+        self.register_unsharded()
 
     # --------------------------------------------------------------------------- registration
     def register_unsharded(self) -> None:
-        """Let the modules see the unsharded parameters (their forward or backward runs)."""
+        """Let the modules see the unsharded parameters (done whenever they are gathered)."""
         self._check(self.state is ShardedState.UNSHARDED, f"registering unsharded in {self.state}")
-        for p in self.params:
-            p.to_unsharded()
-        self.registered_unsharded = True
+        if not self.registered_unsharded:
+            for p in self.params:
+                p.to_unsharded()
+            self.registered_unsharded = True
 
     def register_sharded(self) -> None:
         """Let the modules see the sharded parameters again (the memory may stay)."""
@@ -304,14 +324,10 @@ class FSDPParamGroup:
                     p.accumulate_unsharded_grad(self.reduce_dtype)
             if self.reshard_after_backward:
                 self.reshard()
-            else:
-                self.register_sharded()
             return None
         grads = [p.take_unsharded_grad() for p in with_grad]
         if self.reshard_after_backward:
             self.reshard()
-        else:
-            self.register_sharded()
         if self.trivial and self.all_reduce_hook is None:
             self._install_local_grads(with_grad, grads)
             return None

@@ -1,18 +1,21 @@
-"""Catching an optimizer that holds parameters ``fully_shard`` replaced.
+"""Catching an optimizer that holds parameters ``fully_shard`` replaced, or gathered copies.
 
 ``fully_shard`` replaces every parameter with a new sharded one ([Note: replaced parameters]
 in ``_param.py``). An optimizer built before the call still holds the originals: its
 ``step()`` would update tensors no module uses any more, and the model would silently not
-train. One optimizer step pre-hook, installed by the first ``fully_shard`` call, looks for
-replaced originals among an optimizer's parameters (an attribute read per parameter) and
-raises before anything is updated.
+train. Likewise an optimizer built while modules register their *unsharded* parameters
+(after ``unshard()``, after a forward that keeps them, after an exception in backward): its
+steps would update gathered copies that the next all-gather overwrites. One optimizer step
+pre-hook, installed by the first ``fully_shard`` call, looks for either among an
+optimizer's parameters (two attribute reads per parameter) and raises before anything is
+updated.
 """
 
 from __future__ import annotations
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fsdp2._param import replaced_by
+from fsdp2._param import replaced_by, unsharded_of
 
 _installed = False
 
@@ -26,13 +29,27 @@ def install_optimizer_check() -> None:
 
 
 def check_optimizer(optimizer, args, kwargs) -> None:
-    """Raise if ``optimizer`` holds parameters that fully_shard replaced."""
-    stale = []
+    """Raise if ``optimizer`` holds parameters that fully_shard replaced, or unsharded ones."""
+    stale, gathered = [], []
     for group in optimizer.param_groups:
         for p in group["params"]:
             owner = replaced_by(p)
             if owner is not None:
                 stale.append(owner.fqn)
+            owner = unsharded_of(p)
+            if owner is not None:
+                gathered.append(owner.fqn)
+    if gathered:
+        shown = ", ".join(repr(n) for n in gathered[:5]) + (" ..." if len(gathered) > 5 else "")
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step: {len(gathered)} of the optimizer's parameters "
+            f"({shown}) are fully_shard's unsharded (gathered) parameters, not the sharded "
+            "ones it trains: the optimizer was built while the modules registered their "
+            "gathered parameters (after unshard(), after a forward with "
+            "reshard_after_forward=False or under no_grad, or after an exception in "
+            "backward). Build the optimizer on model.parameters() after model.reshard() "
+            "(or reset_iter_state() after an exception), e.g. right after fully_shard."
+        )
     if stale:
         shown = ", ".join(repr(n) for n in stale[:5]) + (" ..." if len(stale) > 5 else "")
         raise RuntimeError(

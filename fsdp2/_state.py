@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fsdp2._comm_context import CommContext
 from fsdp2._param import replaced_by
-from fsdp2._param_group import FSDPParamGroup, ShardedState
+from fsdp2._param_group import FSDPParamGroup
 
 logger = logging.getLogger(__name__)
 
@@ -230,9 +230,11 @@ class FSDPState:
 
     def _pre_forward_hook(self, module, args, kwargs):
         if self._recomputing():
-            # activation-checkpoint recomputation: pre-backward already gathered them
-            if self.group is not None and self.group.state is ShardedState.UNSHARDED:
-                self.group.register_unsharded()
+            # activation-checkpoint recomputation: pre-backward gathered them already, unless
+            # a post-backward of an earlier use of this module resharded them since
+            if self.group is not None:
+                self.group.unshard()
+                self.group.wait_for_unshard()
             return None
         self.lazy_init()
         ctx = self.ctx
@@ -250,7 +252,7 @@ class FSDPState:
         if self.group is not None:
             self.group.unshard()
             self.group.wait_for_unshard()
-            self.group.register_unsharded()
+            self.group.register_unsharded()  # also after a save swapped the shards in
             self._prefetch(self._forward_targets(), backward=False)
         policy = self.mp_policy
         if policy.param_dtype is not None and policy.cast_forward_inputs:
@@ -261,9 +263,7 @@ class FSDPState:
 
     def _post_forward_hook(self, module, args, output):
         if self._recomputing():
-            if self.group is not None:
-                self.group.register_sharded()  # end of a recomputation
-            return None
+            return None  # the post-backward reshards
         self._post_ran += 1
         self._depth -= 1
         self._done.add(id(module))
@@ -274,13 +274,8 @@ class FSDPState:
         if self._depth == 0 and len(self._done) == len(self.modules):
             self._done.clear()
             self.ctx.post_forward_order.append(self)
-            if self.group is not None:
-                if not tensors:
-                    self.group.reshard()  # nothing to differentiate: no backward will come
-                elif self.group.reshard_after_forward:
-                    self.group.reshard(after_forward=True)
-                else:
-                    self.group.register_sharded()
+            if self.group is not None and self.group.reshard_after_forward:
+                self.group.reshard(after_forward=True)
             self.training_state = TrainingState.IDLE
         if tensors:
             register_multi_grad_hook(tensors, self._pre_backward_eager, mode="any")
@@ -290,11 +285,11 @@ class FSDPState:
 
     def _abort_hook(self, module, args, output):
         """Runs after every forward, also one that raised ([Note: recovery])."""
-        if self._post_ran:
-            self._post_ran -= 1  # the normal post-forward hook ran: nothing to do
+        if self._post_ran or self._recomputing():
+            self._post_ran = max(self._post_ran - 1, 0)  # post-forward ran: nothing to do
             return None
         if self.group is not None:
-            self.group.register_sharded()  # parameters() shows the shards at once
+            self.group.reshard()  # memory back at once; parameters() shows the shards
         if self.ctx is not None and self.training_state is TrainingState.FORWARD:
             self.ctx.aborted = True
         return None
@@ -353,11 +348,8 @@ class FSDPState:
         for s in ctx.states:
             if s.needs_post_backward:
                 s.run_post_backward()
-            elif s.group is not None:
-                if s.group.reshard_after_backward:
-                    s.group.reshard()
-                else:
-                    s.group.register_sharded()
+            elif s.group is not None and s.group.reshard_after_backward:
+                s.group.reshard()
             s.training_state = TrainingState.IDLE
             s._depth = 0
             s._done.clear()

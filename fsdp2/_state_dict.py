@@ -1,33 +1,54 @@
 """State-dict hooks: ``state_dict()`` and ``load_state_dict()`` see the sharded DTensors.
 
-Outside forward and backward every module already registers its sharded parameters
-(``_param_group.py``). These hooks cover the rest, on every module that registers a managed
-parameter:
+Modules register their unsharded parameters whenever these are gathered (after
+``unshard()``, between forward and backward with ``reshard_after_forward=False``, during
+backward), as in PyTorch's FSDP2. So, on every module that registers a managed parameter:
 
-* saving while a module's unsharded parameters are registered (from inside forward, say):
-  the sharded parameters are swapped in for the save and swapped back after it;
-* loading: unsharded copies kept from before (``reshard_after_forward=False``, ``unshard()``)
-  would go stale, so the group is resharded first; a load from inside forward or backward is
-  an error, since autograd has already saved the old values.
+* saving reshards first, as PyTorch's pre-hook does: the memory is freed and the next forward
+  (or backward) gathers again. Inside a forward or backward, where the module is computing
+  with the unsharded parameters, the shards are swapped in for the save only and swapped
+  back after it, so the computation goes on;
+* loading reshards first too (the rows ``reshard_after_forward=int`` kept included), so the
+  next forward gathers the loaded values; a load from inside a forward or backward is an
+  error, since autograd has already saved the old values.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from fsdp2._state import TrainingState
+
 
 def add_location(module: nn.Module, attr: str, fsdp_param) -> None:
     """Record that ``module.attr`` is managed by ``fsdp_param`` and hook the module once."""
     locations = module.__dict__.setdefault("_fsdp_locations", {})
     if not locations:
-        module.register_state_dict_pre_hook(_swap_in_sharded)
+        module.register_state_dict_pre_hook(_reshard_before_save)
         module.register_state_dict_post_hook(_swap_back)
         module.register_load_state_dict_pre_hook(_reshard_before_load)
     locations[attr] = fsdp_param
 
 
-def _swap_in_sharded(module, prefix, keep_vars) -> None:
+def _computing(group) -> bool:
+    """Whether the group's modules are inside a forward or backward right now."""
+    state = group.modules[0].__dict__.get("_fsdp_state") if group.modules else None
+    return state is not None and state.training_state is not TrainingState.IDLE
+
+
+def _groups_of(module: nn.Module) -> list:
+    groups = []
+    for fp in module.__dict__["_fsdp_locations"].values():
+        if fp.group is not None and all(fp.group is not g for g in groups):
+            groups.append(fp.group)
+    return groups
+
+
+def _reshard_before_save(module, prefix, keep_vars) -> None:
     swapped = []
+    for group in _groups_of(module):
+        if group.registered_unsharded and not _computing(group):
+            group.reshard()
     for attr, fp in module.__dict__["_fsdp_locations"].items():
         current = module._parameters.get(attr)
         if current is not None and current is not fp.sharded_param:
@@ -42,11 +63,9 @@ def _swap_back(module, state_dict, prefix, local_metadata) -> None:
 
 
 def _reshard_before_load(module, state_dict, prefix, *args) -> None:
-    for fp in module.__dict__["_fsdp_locations"].values():
-        group = fp.group
-        if group is None:
-            continue
-        if group.registered_unsharded:
+    for group in _groups_of(module):
+        if _computing(group):
+            fp = next(p for p in group.params if p.locations)
             raise RuntimeError(
                 f"load_state_dict: {type(module).__name__} is inside its forward or backward "
                 f"(parameter {fp.fqn!r} is unsharded for compute). Load weights between "

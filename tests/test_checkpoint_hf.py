@@ -81,11 +81,12 @@ def _sharded_in_and_out(directory: str) -> None:
     dcp.load_hf(sd, hf_in)
     for name, p in model.named_parameters():
         assert torch.equal(_full(p), ref.get_parameter(name).detach()), name
+    # built on the shards (after a forward the root registers its gathered parameters)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x = _tokens(5)
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, ref(x).logits, rtol=0, atol=1e-6)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rows = slice(dist.get_rank(), None, dist.get_world_size())
     model(_tokens(6)[rows], labels=_tokens(6)[rows]).loss.backward()
     opt.step()

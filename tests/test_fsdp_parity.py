@@ -87,9 +87,13 @@ def _batches(ws: int, steps: int = STEPS):
     ]
 
 
-def _train(model, batches, *, local: bool, accumulate: str | None = None):
+def _optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+
+def _train(model, batches, *, local: bool, accumulate: str | None = None, opt=None):
     """Train on every batch; ``local`` picks this rank's rows. Returns the global losses."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    opt = _optimizer(model) if opt is None else opt
     rank, ws = dist.get_rank(), dist.get_world_size()
     losses = []
     for x, y in batches:

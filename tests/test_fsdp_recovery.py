@@ -23,6 +23,7 @@ from tests.test_fsdp_parity import (
     _cfg,
     _compare,
     _on_route,
+    _optimizer,
     _train,
 )
 
@@ -55,6 +56,7 @@ def _recover(where: str, explicit: bool):
     ref = _build(cfg)
     ref_losses = _train(ref, batches, local=False)
     model = _build(cfg, fully_shard)
+    opt = _optimizer(model)  # built before the failure, as a training loop does
     x, y = batches[0]
     x, y = x[rank * PER_RANK : (rank + 1) * PER_RANK], y[rank * PER_RANK : (rank + 1) * PER_RANK]
     handle = (_raise_in_forward if where == "forward" else _raise_in_backward)(model)
@@ -65,8 +67,8 @@ def _recover(where: str, explicit: bool):
         with pytest.raises(RuntimeError, match="call it on the root"):
             model.blocks[0].reset_iter_state()
         model.reset_iter_state()
-    model.zero_grad(set_to_none=True)  # the failed iteration's gradients are discarded
-    losses = _train(model, batches, local=True)
+    opt.zero_grad(set_to_none=True)  # the failed iteration's gradients are discarded
+    losses = _train(model, batches, local=True, opt=opt)
     _compare(model, ref, losses, ref_losses)
 
 
@@ -92,7 +94,9 @@ def _no_grad_forwards_after_an_exception():
         # one entry per fully_shard module per forward, not growing from one to the next
         assert len(ctx.pre_forward_order) == groups, ctx.pre_forward_order
     assert all(s._depth == 0 for s in ctx.states)
-    assert all(not s.group.registered_unsharded for s in ctx.states)
+    # the blocks resharded after each forward; the root keeps its gathered parameters
+    # (reshard_after_forward=False), as after any forward
+    assert [s.group.registered_unsharded for s in ctx.states] == [True] + [False] * (groups - 1)
 
 
 def test_no_grad_forwards_start_clean_after_an_exception():

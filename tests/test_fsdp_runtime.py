@@ -115,13 +115,20 @@ def _unshard_reshard():
     block = model.blocks[0]
     fp = block.attn.qkv._fsdp_locations["weight"]
     handle = block.unshard(async_op=True)
+    assert isinstance(block.attn.qkv.weight, DTensor)  # registered when the gather is waited on
     handle.wait()
-    # gathered and kept for the next forward, while the module still shows its shards
+    # gathered and kept for the next forward; the module registers the unsharded parameters
+    # (as in PyTorch's FSDP2), so code that reads them after unshard() sees full tensors
     assert fp.is_unsharded_allocated and fp.unsharded_param.shape == (90, 30)
-    assert isinstance(block.attn.qkv.weight, DTensor)
-    assert all(isinstance(v, DTensor) for v in model.state_dict().values())
+    assert block.attn.qkv.weight is fp.unsharded_param
+    assert not isinstance(block.attn.qkv.weight, DTensor)
+    assert dict(block.named_parameters())["attn.qkv.weight"] is fp.unsharded_param
     block.reshard()
-    assert not fp.is_unsharded_allocated
+    assert not fp.is_unsharded_allocated and isinstance(block.attn.qkv.weight, DTensor)
+    block.unshard()
+    # state_dict() reshards first, as PyTorch's pre-hook does, and gives the shards
+    assert all(isinstance(v, DTensor) for v in model.state_dict().values())
+    assert not fp.is_unsharded_allocated and isinstance(block.attn.qkv.weight, DTensor)
     model.unshard()
     for b in model.blocks:
         b.unshard()
@@ -146,8 +153,12 @@ def _generate():
     prompt = torch.tensor([[1, 2]])
     out = model.generate(prompt, 4)
     assert torch.equal(out, ref.generate(prompt, 4))
-    for p in model.parameters():  # resharded after a no-grad call
-        assert isinstance(p, DTensor)
+    # as after any forward: the blocks resharded, the root (reshard_after_forward=False by
+    # default) keeps its gathered parameters registered until reshard()
+    assert all(isinstance(p, DTensor) for b in model.blocks for p in b.parameters())
+    assert not isinstance(model.tok_emb.weight, DTensor)
+    model.reshard()
+    assert all(isinstance(p, DTensor) for p in model.parameters())
 
 
 def test_register_fsdp_forward_method_generate():
@@ -176,8 +187,9 @@ def _keep_unsharded():
     x, y = _batch()
     gpt_loss(model, x, y).backward()
     fc = model.blocks[1].mlp.fc
-    assert isinstance(fc.weight, DTensor)  # the module shows its shard between steps ...
-    assert fc._fsdp_locations["weight"].is_unsharded_allocated  # ... and keeps the memory
+    # the memory is kept, and the module registers the unsharded parameter (as PyTorch's)
+    assert fc._fsdp_locations["weight"].is_unsharded_allocated
+    assert fc.weight is fc._fsdp_locations["weight"].unsharded_param
     with CommDebugMode() as comm:
         gpt_loss(model, x, y).backward()
     assert comm.get_comm_counts() == {"reduce_scatter": 3}  # nothing re-gathered

@@ -1,8 +1,10 @@
-"""state_dict(), load_state_dict() and named_parameters() see the sharded fp32 DTensors in
-every module state: at rest, after unshard(), between forward and backward (the root keeps
-its gathered parameters), after a backward that keeps them (reshard_after_backward=False),
-and from inside a forward. Loading drops any gathered copy, so the next forward computes
-with the loaded values."""
+"""state_dict() and load_state_dict() see the sharded fp32 DTensors in every module state:
+at rest, after unshard(), between forward and backward (the root keeps its gathered
+parameters), after a backward that keeps them (reshard_after_backward=False), and from inside
+a forward. named_parameters() follows PyTorch's FSDP2: the gathered (here bf16) parameters
+while they are kept, and saving reshards first as PyTorch's state-dict pre-hook does (except
+inside a forward, where the shards are swapped in for the save only). Loading drops any
+gathered copy, so the next forward computes with the loaded values."""
 
 from __future__ import annotations
 
@@ -21,41 +23,57 @@ def _snapshot(model) -> dict:
     return {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
 
 
-def _check(model, expected: dict, where: str, sd=None) -> None:
-    sd = model.state_dict() if sd is None else sd
+def _check_sd(sd: dict, expected: dict, where: str) -> None:
     assert sd.keys() == expected.keys(), where
     for key, value in sd.items():
         assert isinstance(value, DTensor), (where, key, type(value))
         assert value.dtype == torch.float32 and value.placements == (Shard(0),), (where, key)
         assert torch.equal(value.full_tensor(), expected[key]), (where, key)
-    for name, p in model.named_parameters():
-        assert isinstance(p, DTensor) and p.dtype == torch.float32, (where, name)
+
+
+def _params(model) -> dict:
+    """name -> (DTensor?, dtype) of what named_parameters() shows."""
+    return {n: (isinstance(p, DTensor), p.dtype) for n, p in model.named_parameters()}
+
+
+def _check(model, expected: dict, where: str, gathered: set) -> None:
+    """``gathered``: prefixes of the modules whose bf16 gathered parameters are registered
+    before the save; state_dict() then reshards them and everything shows its shard."""
+    for name, (is_dt, dtype) in _params(model).items():
+        kept = any(name.startswith(g) for g in gathered) if gathered else False
+        want = (False, torch.bfloat16) if kept else (True, torch.float32)
+        assert (is_dt, dtype) == want, (where, name, is_dt, dtype)
+    _check_sd(model.state_dict(), expected, where)
+    assert all(is_dt for is_dt, _ in _params(model).values()), (where, _params(model))
+
+
+ROOT = ("tok_emb.", "pos_emb.", "ln_f.", "head.")
 
 
 def _state_dict_in_every_state():
     model = _sharded(mp_policy=BF16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     expected = _snapshot(model)
-    _check(model, expected, "at rest")
+    _check(model, expected, "at rest", set())
     model.unshard()
     for block in model.blocks:
         block.unshard(async_op=True).wait()
-    _check(model, expected, "after unshard()")
+    _check(model, expected, "after unshard()", {*ROOT, "blocks."})
     x, y = _batch()
     loss = gpt_loss(model, x, y)  # the root keeps its bf16 parameters until backward
-    _check(model, expected, "between forward and backward")
-    loss.backward()
+    _check(model, expected, "between forward and backward", set(ROOT))
+    loss.backward()  # the save resharded the root: backward gathers it again
     opt.step()
     opt.zero_grad()
     expected = _snapshot(model)
     model.set_reshard_after_backward(False)
     gpt_loss(model, x, y).backward()
-    _check(model, expected, "after a backward that keeps the parameters")
+    _check(model, expected, "after a backward that keeps the parameters", {*ROOT, "blocks."})
     seen = []
     handle = model.blocks[1].register_forward_hook(lambda m, i, o: seen.append(model.state_dict()))
     model(x)
     handle.remove()
-    _check(model, expected, "from inside a block's forward", sd=seen[0])
+    _check_sd(seen[0], expected, "from inside a block's forward")
     model.set_reshard_after_backward(True)
     opt.zero_grad()
 
