@@ -1,0 +1,192 @@
+"""Activation checkpointing in the forms real code uses, under fully_shard.
+
+A recomputation in backward reads the module's parameters again. Each form below must train
+like one process (same form, no sharding) and like PyTorch's FSDP2 on the same inputs:
+
+* ``body``: ``checkpoint(self._body, x)`` inside a sharded block's forward (the recomputed
+  function is not the FSDP module's forward, so FSDP's hooks do not run around it);
+* ``body_reentrant``: the same with ``use_reentrant=True``;
+* ``selective``: ``checkpoint(self.mlp, h)`` on a submodule of a sharded block;
+* ``wrapper``: PyTorch's ``checkpoint_wrapper(block)``, then ``fully_shard(wrapper)``;
+* ``whole``: ``checkpoint(block, x)`` around the sharded block itself (its hooks run again);
+* Hugging Face's ``model.gradient_checkpointing_enable()`` on a tiny Llama (transformers 5
+  checkpoints each layer's ``forward``, keeping FSDP's hooks outside the checkpoint).
+
+Awkward sizes: width 9 and vocabulary 37 (odd), layer norms of 9 rows at 2 ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.utils.checkpoint import checkpoint
+
+from device_mesh import init_device_mesh
+from fsdp2 import fully_shard
+from tests.harness import run_on_ranks
+
+DIM, VOCAB, SEQ, PER_RANK, STEPS = 9, 37, 5, 2, 3
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(DIM, 3 * DIM)
+        self.fc2 = nn.Linear(3 * DIM, DIM)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.ln = nn.LayerNorm(DIM)
+        self.mlp = MLP()
+
+    def _body(self, x):
+        return x + self.mlp(self.ln(x))
+
+    def forward(self, x):
+        if self.form == "body":
+            return checkpoint(self._body, x, use_reentrant=False)
+        if self.form == "body_reentrant":
+            return checkpoint(self._body, x, use_reentrant=True)
+        if self.form == "selective":
+            return x + checkpoint(self.mlp, self.ln(x), use_reentrant=False)
+        return self._body(x)
+
+
+class Net(nn.Module):
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.emb = nn.Embedding(VOCAB, DIM)
+        blocks = [Block(form) for _ in range(3)]
+        if form == "wrapper":
+            blocks = [checkpoint_wrapper(b) for b in blocks]
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=False) if self.form == "whole" else block(h)
+        return self.head(h)
+
+
+def _batches():
+    g = torch.Generator().manual_seed(3)
+    n = PER_RANK * dist.get_world_size()
+    return [
+        (
+            torch.randint(0, VOCAB, (n, SEQ), generator=g),
+            torch.randint(0, VOCAB, (n, SEQ), generator=g),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def _loss(logits, y):
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _train(model, batches, *, local: bool, loss_of=None):
+    loss_of = loss_of or (lambda m, x, y: _loss(m(x), y))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for x, y in batches:
+        if local:
+            rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+            x, y = x[rows], y[rows]
+        loss = loss_of(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        loss = loss.detach().clone()
+        if local:
+            dist.all_reduce(loss)
+            loss /= ws
+        losses.append(loss.item())
+    return losses
+
+
+def _full(p):
+    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+
+
+def _compare(a, b, losses_a, losses_b, *, rtol=1e-5, atol=2e-6):
+    torch.testing.assert_close(torch.tensor(losses_a), torch.tensor(losses_b), rtol=rtol, atol=atol)
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    for name, p in pa.items():
+        torch.testing.assert_close(_full(p), _full(pb[name]), rtol=rtol, atol=atol, msg=name)
+
+
+def _three_ways(build, blocks_of, loss_of=None):
+    """Train ``build()`` in one process, under ours and under PyTorch's FSDP2; compare."""
+    batches = _batches()
+    ws = dist.get_world_size()
+    ref = build()
+    ref_losses = _train(ref, batches, local=False, loss_of=loss_of)
+    runs = []
+    for shard, mesh in (
+        (fully_shard, init_device_mesh("cpu", (ws,))),
+        (torch_fully_shard, torch_init_device_mesh("cpu", (ws,))),
+    ):
+        model = build()
+        for block in blocks_of(model):
+            shard(block, mesh=mesh)
+        shard(model, mesh=mesh)
+        runs.append((model, _train(model, batches, local=True, loss_of=loss_of)))
+    (ours, losses), (theirs, their_losses) = runs
+    _compare(ours, ref, losses, ref_losses)
+    _compare(ours, theirs, losses, their_losses, rtol=0, atol=0)  # two ranks: same sums
+
+
+def _net(form: str) -> Net:
+    torch.manual_seed(0)
+    return Net(form)
+
+
+def _forms(form: str):
+    _three_ways(functools.partial(_net, form), lambda m: m.blocks)
+
+
+@pytest.mark.parametrize("form", ["body", "body_reentrant", "selective", "wrapper", "whole"])
+def test_activation_checkpointing_forms_train_like_one_process_and_pytorch(form):
+    run_on_ranks(2, _forms, form=form)
+
+
+def _hf_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=24, intermediate_size=36,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=16)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def _hf_gradient_checkpointing():
+    _three_ways(
+        _hf_llama,
+        lambda m: m.model.layers,
+        loss_of=lambda m, x, y: m(x, labels=y).loss,
+    )
+
+
+def test_hugging_face_gradient_checkpointing_enable_trains():
+    run_on_ranks(2, _hf_gradient_checkpointing)
