@@ -235,7 +235,7 @@ def _install(plan: _Plan, built: dict, modules) -> list[FSDPParam]:
             fp.claim(label)
         else:
             fp, locations = plan.taken[id(item)]
-            fp.group.params.remove(fp)
+            _take_from_group(fp)
             fp.locations.extend(locations)
         fp.to_sharded()
         for m, attr in fp.locations:
@@ -244,6 +244,15 @@ def _install(plan: _Plan, built: dict, modules) -> list[FSDPParam]:
     for state, tie in plan.moved_up:
         state.pending_ties.remove(tie)
     return params
+
+
+def _take_from_group(fp: FSDPParam) -> None:
+    """Remove a tied parameter from the inner call's group; a group left with no parameters
+    is dropped, so that call's hooks run with nothing to gather, reshard or reduce."""
+    group = fp.group
+    group.params.remove(fp)
+    if not group.params:
+        group.modules[0].__dict__["_fsdp_state"].group = None
 
 
 # --------------------------------------------------------------------------------- validation

@@ -37,7 +37,7 @@ class TieNet(nn.Module):
         return self.head(self.b(self.a(self.emb(idx))))
 
 
-def _wrap(pattern: str, m: TieNet) -> None:
+def _wrap(pattern: str, m: TieNet, **kw) -> None:
     calls = {
         "one-group": [],
         "siblings": [m.emb, m.head, m.a, m.b],
@@ -50,8 +50,8 @@ def _wrap(pattern: str, m: TieNet) -> None:
         "into-a-list": [m.a, [m.b, m.head]],
     }[pattern]
     for c in calls:
-        fully_shard(c)
-    fully_shard(m)
+        fully_shard(c, **kw)
+    fully_shard(m, **kw)
 
 
 PATTERNS = [
@@ -71,13 +71,13 @@ def _loss(model, idx):
     return nn.functional.cross_entropy(model(idx).reshape(-1, V), idx.roll(1, 1).reshape(-1))
 
 
-def _train_tied(pattern: str):
+def _train_tied(pattern: str, **kw):
     rank, ws = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     ref = TieNet()
     torch.manual_seed(0)
     model = TieNet()
-    _wrap(pattern, model)
+    _wrap(pattern, model, **kw)
     assert model.head.weight is model.emb.weight and model.b[0].weight is model.a[0].weight
     assert isinstance(model.emb.weight, DTensor) and isinstance(model.a[0].weight, DTensor)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
@@ -98,6 +98,13 @@ def _train_tied(pattern: str):
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_ties_train_like_one_process_in_every_wrapping(pattern, ws):
     run_on_ranks(ws, _train_tied, pattern=pattern)
+
+
+@pytest.mark.parametrize("raf", [True, False, 1], ids=["raf-True", "raf-False", "raf-1"])
+@pytest.mark.parametrize("ws", [1, 2])
+def test_a_group_left_empty_by_a_tie_does_nothing(ws, raf):
+    # "siblings": emb's and head's calls each lose their only parameter to the root's group
+    run_on_ranks(ws, _train_tied, pattern="siblings", reshard_after_forward=raf)
 
 
 def _siblings_without_an_enclosing_call():
