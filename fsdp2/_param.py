@@ -269,6 +269,12 @@ class FSDPParam:
     def dtype(self) -> torch.dtype:
         return self.sharded_param.dtype
 
+    @property
+    def shard_version(self) -> tuple[int, int]:
+        """Changes whenever the shard is written in place: through the DTensor (an optimizer
+        step, ``copy_`` under no_grad) or through its local tensor (``to_local()``)."""
+        return self.sharded_param._version, self.local._version
+
     def copy_shard_into(self, dst_row: torch.Tensor) -> None:
         """Write this rank's shard into its ``padded_numel`` slot of an all-gather input."""
         n = self.local_rows * self.row_numel

@@ -125,7 +125,7 @@ class FSDPParamGroup:
         self.state = ShardedState.SHARDED
         self._gather: C.AllGather | None = None
         self._kept_rows: torch.Tensor | None = None  # SHARDED_POST_FORWARD only
-        self._gathered_versions: list[int] | None = None  # shard versions at the last gather
+        self._gathered_versions: list | None = None  # shard versions at the last gather
         self.registered_unsharded = False
         self._partial_reduce: torch.Tensor | None = None  # HSDP, requires_all_reduce=False
 
@@ -221,7 +221,7 @@ class FSDPParamGroup:
             f"kept rows do not match state {self.state}",
         )
         self.comm.hold_pages_for(sum(p.storage.nbytes for p in self.params))
-        self._gathered_versions = [p.local._version for p in self.params]
+        self._gathered_versions = [p.shard_version for p in self.params]
         self._gather = C.foreach_all_gather(
             self.params,
             dtype=dtype,
@@ -237,7 +237,7 @@ class FSDPParamGroup:
         parameters (in-place updates bump a tensor's version counter)."""
         versions = self._gathered_versions
         return versions is not None and any(
-            p.local._version != v for p, v in zip(self.params, versions, strict=True)
+            p.shard_version != v for p, v in zip(self.params, versions, strict=True)
         )
 
     def wait_for_unshard(self) -> None:

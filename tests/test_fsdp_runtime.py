@@ -203,6 +203,60 @@ def test_reshard_after_backward_false_keeps_parameters():
     run_on_ranks(2, _keep_unsharded)
 
 
+def _kept_across_a_step(how: str):
+    """Gathered parameters kept across an optimizer step (a no_grad forward between backward
+    and step, or reshard_after_backward=False) are stale: the next forward gathers again
+    and the run equals one process ([Note: stale gathered copies])."""
+    cfg = _cfg()
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    model = _sharded(cfg)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+    if how == "keep_after_backward":
+        model.set_reshard_after_backward(False)
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        x = torch.randint(0, VOCAB, (2 * ws, SEQ), generator=g)
+        y = torch.randint(0, VOCAB, (2 * ws, SEQ), generator=g)
+        rows = slice(2 * rank, 2 * rank + 2)
+        gpt_loss(ref, x, y).backward()
+        gpt_loss(model, x[rows], y[rows]).backward()
+        if how == "no_grad_forward":
+            with torch.no_grad():
+                model(x[rows])  # the root keeps its gathered (pre-step) parameters
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            torch.testing.assert_close(model(x[rows]), ref(x[rows]), rtol=1e-5, atol=2e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        torch.testing.assert_close(full, q.detach(), rtol=1e-5, atol=2e-6, msg=name)
+
+
+@pytest.mark.parametrize("how", ["no_grad_forward", "keep_after_backward"])
+def test_parameters_kept_across_an_optimizer_step_are_gathered_again(how):
+    run_on_ranks(2, _kept_across_a_step, how=how)
+
+
+def _optimizer_on_unsharded():
+    model = _sharded()
+    model.unshard()  # the root registers its gathered parameters ...
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # ... so the optimizer holds them
+    x, y = _batch()
+    gpt_loss(model, x, y).backward()
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"SGD\.step: .* unsharded \(gathered\) parameters"):
+        opt.step()
+    after = [p.full_tensor() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_optimizer_built_on_unsharded_parameters_raises_at_step():
+    run_on_ranks(2, _optimizer_on_unsharded)
+
+
 def _not_last_backward():
     cfg = _cfg()
     a, b = _sharded(cfg), _sharded(cfg)
