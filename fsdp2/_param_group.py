@@ -15,6 +15,12 @@ memory (``reshard_after_forward=False``) and during a group's backward, a module
 and ``named_parameters()`` are the unsharded tensors; ``SHARDED_POST_FORWARD`` registers the
 sharded DTensors. ``state_dict()`` reshards first (``_state_dict.py``).
 
+[Note: stale gathered copies] Gathered parameters may be kept across an optimizer step (a
+forward under no_grad with ``reshard_after_forward=False`` between backward and ``step()``,
+or ``reshard_after_backward=False``). PyTorch's FSDP2 then computes the next forward with the
+old values. Here each gather records the shards' version counters (an in-place write bumps
+them), and ``unshard()`` on an unsharded group whose shards changed since gathers again.
+
 ``post_backward()`` takes the unsharded gradients and issues one reduction of their
 rank-major blocks in the reduce dtype, plus one "had a gradient" flag per parameter, so a
 parameter that no rank used keeps ``grad=None``, exactly as on one process.
