@@ -504,7 +504,11 @@ def _exception_leaves_gathered(d: Difference) -> bool:
 
 
 def _next_iteration_after_exception(d: Difference) -> bool:
-    after_its_backward = d.where in ("grad hook on blocks.1 output", "grad hook on blocks.0 output")
+    after_its_backward = d.where in (
+        "grad hook on blocks.1 output",
+        "grad hook on blocks.0 output",
+        "inside blocks.1 recompute",
+    )
     if not (d.phase == AFTER_EXCEPTION and after_its_backward and _owner(d.entry) == "blocks.2"):
         return False
     if _is_param_entry(d):
@@ -513,6 +517,19 @@ def _next_iteration_after_exception(d: Difference) -> bool:
         d.entry.startswith("grad ")
         and (d.ours == {"value": "None"} or _sharded(d.ours, d.ws))
         and _unsharded(d.theirs)
+    )
+
+
+def _gradient_in_flight(d: Difference) -> bool:
+    """Mid-backward, a group whose post-backward ran: PyTorch (a blocking reduce-scatter on
+    gloo) shows its sharded gradient already; ours shows it once the reduction, which
+    overlaps the next group's backward, completes."""
+    mid_backward = d.where.startswith("grad hook on") or d.where.endswith("recompute")
+    return (
+        mid_backward
+        and d.entry.startswith("grad ")
+        and d.ours == {"value": "None"}
+        and _sharded(d.theirs, d.ws)
     )
 
 
@@ -550,6 +567,13 @@ ALLOWED = [
         "not hook its post-backward: until the end of that backward it keeps its gathered "
         "parameters and unreduced gradients; ours resets the iteration at the next forward",
         _next_iteration_after_exception,
+    ),
+    Allowed(
+        "a sharded gradient appears when its reduction completes",
+        "mid-backward, ours installs a group's sharded .grad when its reduction (overlapped "
+        "with the next group's backward) completes; PyTorch's blocking gloo reduce-scatter "
+        "installs it at the group's post-backward",
+        _gradient_in_flight,
     ),
     Allowed(
         "reshard_after_forward=k registers",
