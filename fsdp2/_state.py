@@ -18,14 +18,13 @@ backward
     no gradient (the root), reshards what is left and waits for every reduction, installing
     the sharded ``.grad``.
 
-Modules register their unsharded parameters only while a forward runs (autograd holds what
-backward needs); at any other time they register the sharded ones, whatever memory is kept,
-so ``state_dict()``, ``named_parameters()`` and an optimizer built mid-training see the
-sharded DTensors, also after an exception.
+What modules register follows each group's memory state (``_param_group.py``): the
+unsharded parameters while they are gathered, the shards otherwise, as in PyTorch's FSDP2.
 
-Activation checkpointing re-runs a block's forward inside backward; the hooks see the
-``PRE_BACKWARD`` state, register the (already gathered) parameters for the recomputation and
-the shards again after it.
+Activation checkpointing re-runs code inside backward, after the group's pre-backward has
+gathered (and so registered) its parameters. When the recomputed code is the FSDP module's
+own forward, the hooks see the ``PRE_BACKWARD`` state and leave the gathered parameters in
+place (gathering again only if a post-backward of an earlier use resharded them).
 
 [Note: recovery] An exception inside forward or backward leaves an iteration half done. The
 post-forward hook also runs when forward raises (``always_call``) and marks the iteration
