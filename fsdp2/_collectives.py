@@ -128,44 +128,95 @@ def _replicate_first_row(rows: torch.Tensor) -> None:
         rows[1:].copy_(rows[0].expand(rows.size(0) - 1, -1))
 
 
+class RowLayout:
+    """Where each parameter's slot sits in one rank's row of a grouped all-gather.
+
+    When every parameter is gathered in one dtype (the usual case) the row is a tensor of
+    that dtype and slot ``i`` is ``padded_numel`` elements wide. Parameters of different
+    dtypes (a frozen bf16 base with fp32 LoRA adapters) travel in one row of bytes: slot
+    ``i`` holds ``padded_numel * itemsize`` bytes, rounded up to 8 so that every slot, and
+    every row, starts where any dtype may be viewed.
+
+    Example::
+
+        >>> layout = RowLayout([6, 4], [torch.bfloat16, torch.float32])
+        >>> layout.row_dtype, layout.widths, layout.width
+        (torch.uint8, [16, 16], 32)
+    """
+
+    _ALIGN = 8
+
+    def __init__(self, numels: list[int], dtypes: list[torch.dtype]) -> None:
+        self.numels = numels
+        self.dtypes = dtypes
+        self.mixed = len(set(dtypes)) > 1
+        if self.mixed:
+            align = self._ALIGN
+            self.row_dtype = torch.uint8
+            self.widths = [-(-n * d.itemsize // align) * align for n, d in zip(numels, dtypes)]
+        else:
+            self.row_dtype = dtypes[0] if dtypes else torch.float32
+            self.widths = list(numels)
+        self.offsets = [sum(self.widths[:i]) for i in range(len(self.widths))]
+        self.width = sum(self.widths)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.width * self.row_dtype.itemsize
+
+    def slot(self, rows: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s slot of ``rows`` (1-D or ``(k, width)``), in its own dtype."""
+        piece = rows[..., self.offsets[i] : self.offsets[i] + self.widths[i]]
+        if self.mixed:
+            n_bytes = self.numels[i] * self.dtypes[i].itemsize
+            piece = piece[..., :n_bytes].view(self.dtypes[i])
+        return piece
+
+    def copy_out(self, rows: torch.Tensor, params) -> None:
+        """Copy gathered ``(shard_size, width)`` rows into the parameters' rank blocks."""
+        if not self.mixed:
+            torch.split_with_sizes_copy(
+                rows, self.widths, dim=1, out=[p.unsharded_rank_blocks() for p in params]
+            )
+            return
+        for i, p in enumerate(params):
+            p.unsharded_rank_blocks().copy_(self.slot(rows, i))
+
+
 # --------------------------------------------------------------------------- all-gather
 class AllGather:
     """An all-gather in flight; ``wait()`` leaves every parameter's unsharded buffer full."""
 
-    def __init__(self, params, pending: Pending, *, copy_out: bool, keep=None) -> None:
+    def __init__(self, params, pending: Pending, *, layout: RowLayout | None, keep=None) -> None:
         self._params = params
         self._pending = pending
-        self._copy_out = copy_out
+        self._layout = layout  # None: the collective wrote into the parameters directly
         self._keep = keep  # a buffer the collective reads (post-forward rows)
 
     def wait(self) -> None:
         out = self._pending.wait()
         self._keep = None
-        if self._copy_out:
+        if self._layout is not None:
             params = self._params
             rows = out.view(params[0].mesh_info.shard_size, -1)
             for p in params:
                 p.back_storage()
             with _versions_preserved(params):
-                torch.split_with_sizes_copy(
-                    rows,
-                    [p.padded_numel for p in params],
-                    dim=1,
-                    out=[p.unsharded_rank_blocks() for p in params],
-                )
+                self._layout.copy_out(rows, params)
 
 
 def foreach_all_gather(
-    params, *, dtype: torch.dtype, device, comm, pool, kept_rows=None, post_forward=None
+    params, *, layout: RowLayout, device, comm, pool, kept_rows=None, post_forward=None
 ) -> AllGather:
     """Start one all-gather of ``params``' shards into their unsharded buffers (which must
-    exist: ``FSDPParam.ensure_unsharded``). With ``kept_rows`` (``reshard_after_forward=k``)
-    it gathers the rows kept after forward over ``post_forward``'s smaller group instead.
+    exist: ``FSDPParam.ensure_unsharded``), each in its ``layout`` dtype. With ``kept_rows``
+    (``reshard_after_forward=k``) it gathers the rows kept after forward over
+    ``post_forward``'s smaller group instead.
 
     Every rank must call it for the same parameters in the same order.
     """
     info = params[0].mesh_info
-    n = sum(p.padded_numel for p in params)
+    dtype = layout.row_dtype
     with comm.streams.gather(after=comm.take_post_optim_event()):
         if kept_rows is not None:
             flat = kept_rows.view(-1)
@@ -182,20 +233,18 @@ def foreach_all_gather(
                 mesh=info.mesh,
                 pool=pool,
             )
-            return AllGather(params, pending, copy_out=True, keep=kept_rows)
+            return AllGather(params, pending, layout=layout, keep=kept_rows)
         group = info.shard_group
-        if exchanges_blocks(group, device, n * info.shard_size * dtype.itemsize, len(params)):
-            return AllGather(params, _gather_direct(params, dtype, info), copy_out=False)
-        rows = _input_rows(pool, group, info.shard_size, n, dtype, device)
-        offset = 0
-        for p in params:
-            p.copy_shard_into(rows[0, offset : offset + p.padded_numel])
-            offset += p.padded_numel
+        if exchanges_blocks(group, device, layout.row_bytes * info.shard_size, len(params)):
+            return AllGather(params, _gather_direct(params, layout, info), layout=None)
+        rows = _input_rows(pool, group, info.shard_size, layout.width, dtype, device)
+        for i, p in enumerate(params):
+            p.copy_shard_into(layout.slot(rows[0], i))
         _replicate_first_row(rows)
         pending = all_gather_rows(
             rows, group, info.shard_size, label=info.shard_mesh_dim, mesh=info.mesh, pool=pool
         )
-        return AllGather(params, pending, copy_out=True)
+        return AllGather(params, pending, layout=layout)
 
 
 def _input_rows(pool, group, k: int, n: int, dtype, device) -> torch.Tensor:
@@ -204,13 +253,13 @@ def _input_rows(pool, group, k: int, n: int, dtype, device) -> torch.Tensor:
     return pool.get((copies, n), dtype, device)
 
 
-def _gather_direct(params, dtype: torch.dtype, info) -> Pending:
+def _gather_direct(params, layout: RowLayout, info) -> Pending:
     """The direct route: this rank's own block is copied now; the storage the others land in
-    is backed before any message is posted."""
+    is backed before any message is posted. Each parameter travels in its own dtype."""
     me = info.shard_rank
     pieces = []
     with _versions_preserved(params):  # gloo's own writes bypass the counter anyway
-        for p in params:
+        for p, dtype in zip(params, layout.dtypes, strict=True):
             p.back_storage()
             send, blocks, counts = p.shard_run(dtype), p.unsharded_rank_blocks(), p.rank_numels()
             if counts[me]:
@@ -220,7 +269,7 @@ def _gather_direct(params, dtype: torch.dtype, info) -> Pending:
         pieces,
         info.shard_group,
         me,
-        row_bytes=sum(p.padded_numel for p in params) * dtype.itemsize,
+        row_bytes=sum(p.padded_numel * d.itemsize for p, d in zip(params, layout.dtypes)),
         label=info.shard_mesh_dim,
         mesh=info.mesh,
     )

@@ -34,6 +34,7 @@ parameter is an alias of the shard and no collective is issued.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 
 import torch
@@ -140,39 +141,35 @@ class FSDPParamGroup:
         return self.comm is not None
 
     # --------------------------------------------------------------------------- dtypes
-    @property
-    def orig_dtype(self) -> torch.dtype:
-        return self.params[0].dtype
+    def compute_dtype(self, p: FSDPParam) -> torch.dtype:
+        """The dtype ``p`` is gathered and computed in: ``param_dtype``, else its own."""
+        return self.mp_policy.param_dtype or p.dtype
 
     @property
-    def param_dtype(self) -> torch.dtype:
-        return self.mp_policy.param_dtype or self.orig_dtype
+    def layout(self) -> C.RowLayout:
+        """Slots of one rank's row of this group's all-gather (bytes when dtypes differ)."""
+        return C.RowLayout(
+            [p.padded_numel for p in self.params], [self.compute_dtype(p) for p in self.params]
+        )
 
     @property
     def reduce_dtype(self) -> torch.dtype:
-        return self.mp_policy.reduce_dtype or self.param_dtype
+        """One dtype for the group's gradient reduction: ``reduce_dtype``, else the compute
+        dtype of the parameters that train (the widest, when a group mixes them)."""
+        if self.mp_policy.reduce_dtype is not None:
+            return self.mp_policy.reduce_dtype
+        dtypes = {self.compute_dtype(p) for p in self.params if p.requires_grad}
+        dtypes = dtypes or {self.compute_dtype(p) for p in self.params}
+        return functools.reduce(torch.promote_types, sorted(dtypes, key=str))
 
     @property
     def trivial(self) -> bool:
         """One data-parallel rank, no cast, no offload: the shard *is* the full parameter."""
         return (
             self.mesh_info.data_parallel_size == 1
-            and self.param_dtype == self.orig_dtype
+            and all(self.compute_dtype(p) == p.dtype for p in self.params)
             and not self.offload
         )
-
-    def check_dtypes(self) -> None:
-        """All parameters of a group travel in one buffer, so they need one dtype."""
-        if self.mp_policy.param_dtype is not None:
-            return
-        dtypes = {p.dtype for p in self.params}
-        if len(dtypes) > 1:
-            listing = ", ".join(f"{p.fqn}: {p.dtype}" for p in self.params)
-            raise ValueError(
-                f"fully_shard: the parameters of one group must share a dtype for the grouped "
-                f"all-gather, got {listing}. Pass mp_policy=MixedPrecisionPolicy(param_dtype=...)"
-                " or call fully_shard on the differing modules separately."
-            )
 
     def check_offload(self) -> None:
         """CPU offload: sharded parameters must live on the host (pinned if asked)."""
@@ -218,9 +215,8 @@ class FSDPParamGroup:
             self.state = ShardedState.UNSHARDED
             self.register_unsharded()
             return
-        dtype = self.param_dtype
         for p in self.params:
-            p.ensure_unsharded(dtype, self.device, self.comm)
+            p.ensure_unsharded(self.compute_dtype(p), self.device, self.comm)
         kept, self._kept_rows = self._kept_rows, None
         self._check(
             (kept is not None) == (self.state is ShardedState.SHARDED_POST_FORWARD),
@@ -230,7 +226,7 @@ class FSDPParamGroup:
         self._gathered_versions = [p.shard_version for p in self.params]
         self._gather = C.foreach_all_gather(
             self.params,
-            dtype=dtype,
+            layout=self.layout,
             device=self.device,
             comm=self.comm,
             pool=self.pool,
@@ -299,25 +295,20 @@ class FSDPParamGroup:
         pf = self.post_forward
         per = self.mesh_info.shard_size // pf.size
         lo = pf.index * per
-        n = sum(p.padded_numel for p in self.params)
-        rows = torch.empty((per, n), dtype=self.param_dtype, device=self.device)
-        offset = 0
-        for p in self.params:
-            rows[:, offset : offset + p.padded_numel].copy_(
-                p.unsharded_rank_blocks()[lo : lo + per]
-            )
-            offset += p.padded_numel
+        layout = self.layout
+        rows = torch.empty((per, layout.width), dtype=layout.row_dtype, device=self.device)
+        for i, p in enumerate(self.params):
+            layout.slot(rows, i).copy_(p.unsharded_rank_blocks()[lo : lo + per])
         return rows
 
     def buffer_key(self) -> tuple:
         """What decides the shapes of this group's collective buffers."""
-        n = sum(p.padded_numel for p in self.params)
-        return (n, len(self.params), self.param_dtype, self.reduce_dtype)
+        layout = self.layout
+        return (layout.width, len(self.params), layout.row_dtype, self.reduce_dtype)
 
     # --------------------------------------------------------------------------- gradients
-    @property
-    def _accumulates_in_reduce_dtype(self) -> bool:
-        return self.reduce_dtype != self.param_dtype
+    def _accumulates_in_reduce_dtype(self, p: FSDPParam) -> bool:
+        return self.reduce_dtype != self.compute_dtype(p)
 
     def post_backward(self) -> PendingReduce | None:
         """Take the unsharded gradients, reshard, and issue their reduction."""
@@ -325,8 +316,8 @@ class FSDPParamGroup:
         if not self.requires_gradient_sync or not with_grad:
             # no-sync: gradients stay unsharded and keep accumulating (in the reduce dtype
             # when it differs, so micro-batches add in that precision)
-            if with_grad and self._accumulates_in_reduce_dtype:
-                for p in with_grad:
+            for p in with_grad:
+                if self._accumulates_in_reduce_dtype(p):
                     p.accumulate_unsharded_grad(self.reduce_dtype)
             if self.reshard_after_backward:
                 self.reshard()

@@ -199,7 +199,6 @@ class FSDPState:
             if s.group is not None:
                 arg = s.reshard_after_forward_arg
                 s.group.reshard_after_forward = (not s.is_root) if arg is None else bool(arg)
-                s.group.check_dtypes()
                 s.group.check_offload()
                 s.group.comm = ctx.comm
         _share_buffer_pool(groups, ctx.comm)
