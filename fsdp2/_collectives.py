@@ -258,9 +258,10 @@ def _gather_direct(params, layout: RowLayout, info) -> Pending:
     is backed before any message is posted. Each parameter travels in its own dtype."""
     me = info.shard_rank
     pieces = []
+    for p in params:  # before the version guards, which reference the parameters
+        p.back_storage()
     with _versions_preserved(params):  # gloo's own writes bypass the counter anyway
         for p, dtype in zip(params, layout.dtypes, strict=True):
-            p.back_storage()
             send, blocks, counts = p.shard_run(dtype), p.unsharded_rank_blocks(), p.rank_numels()
             if counts[me]:
                 blocks[me, : counts[me]].copy_(send)

@@ -194,10 +194,12 @@ class PageBank:
         while sum(r._span for r in self._held.values()) > self.keep_bytes:
             self._held.popitem(last=False)[1].drop()  # the oldest
 
-    def acquire(self, region: HostRegion) -> None:
+    def acquire(self, region: HostRegion, *, take_pages: bool = True) -> None:
+        """Ready ``region`` for writing: its own held pages, else (``take_pages``) a held
+        region's pages, else fresh zero pages as it is written."""
         if region.resident:
             return
-        if self._held.pop(id(region), None) is None:  # its own pages are gone
+        if self._held.pop(id(region), None) is None and take_pages:  # its own pages are gone
             # The most recently freed first: older ones are the first to go over budget.
             for key, donor in reversed(self._held.items()):
                 if region.take_pages_of(donor):

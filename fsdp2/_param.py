@@ -25,6 +25,7 @@ the originals (``_replaced.py``) without any registry.
 from __future__ import annotations
 
 import math
+import sys
 import weakref
 from dataclasses import dataclass
 
@@ -45,6 +46,10 @@ from dtensor.placement import (
 )
 from dtensor.tensor import redistribute_dtensor
 from fsdp2._storage import UnshardedStorage
+
+# The C++ use count of a storage (every tensor and view over it, autograd's saved ones
+# included); torch has had it for years, but it is private, so its absence is tolerated.
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 @dataclass(frozen=True)
@@ -322,14 +327,34 @@ class FSDPParam:
         param._fsdp_unsharded_of = self
         self.unsharded_param = param
         self._unsharded_key = key
+        del full, param
+        self._own_storage_refs = self._storage_refs()
 
     def unsharded_rank_blocks(self) -> torch.Tensor:
         """The unsharded buffer as ``(shard_size, padded_numel)``: block r = rank r's chunk."""
         return self.storage.tensor.view(self.mesh_info.shard_size, self.padded_numel)
 
+    def _storage_refs(self) -> int:
+        return _use_count(self.storage.tensor.untyped_storage()._cdata)
+
+    def held_elsewhere(self) -> bool:
+        """[Note: kept unsharded parameters] Whether anything but the runtime references the
+        unsharded parameter or its memory: the parameter object kept from forward (the
+        Python reference count: ``self.unsharded_param`` and the call's argument are ours),
+        or a tensor over its storage - a view someone kept, or one autograd saved for
+        backward (the storage's C++ use count, against the runtime's own at creation)."""
+        if _use_count is None:  # cannot tell: assume the worst
+            return True
+        return (
+            sys.getrefcount(self.unsharded_param) > 2
+            or self._storage_refs() > self._own_storage_refs
+        )
+
     def back_storage(self) -> None:
-        """Give the unsharded buffer memory right before an all-gather writes into it."""
-        self.storage.back()
+        """Give the unsharded buffer memory right before an all-gather writes into it. A
+        buffer something else still references never receives another parameter's pages
+        or bytes ([Note: kept unsharded parameters])."""
+        self.storage.back(held_elsewhere=self.held_elsewhere())
 
     def free_unsharded(self) -> None:
         if self.storage is not None:

@@ -50,8 +50,11 @@ class UnshardedStorage(abc.ABC):
     nbytes: int
 
     @abc.abstractmethod
-    def back(self) -> None:
-        """Give the buffer memory; the next all-gather writes into it."""
+    def back(self, *, held_elsewhere: bool = False) -> None:
+        """Give the buffer memory; the next all-gather writes into it. ``held_elsewhere``:
+        something outside the runtime may read the buffer before the all-gather has filled
+        it, so the memory given must not hold another parameter's bytes (zeros, or this
+        buffer's own earlier values, are fine)."""
 
     @abc.abstractmethod
     def free(self) -> None:
@@ -70,10 +73,14 @@ class ResizableStorage(UnshardedStorage):
         self.tensor = torch.empty(shape, dtype=dtype, device=device)
         self.nbytes = self.tensor.numel() * self.tensor.element_size()
 
-    def back(self) -> None:
+    def back(self, *, held_elsewhere: bool = False) -> None:
         storage = self.tensor.untyped_storage()
         if storage.size() != self.nbytes:
             storage.resize_(self.nbytes)
+            if held_elsewhere and self.tensor.device.type == "cpu":
+                # malloc may hand back another parameter's freed bytes; a storage write
+                # leaves the tensors' version counters (autograd's check) alone
+                storage.fill_(0)
 
     def free(self) -> None:
         self.tensor.untyped_storage().resize_(0)
@@ -92,8 +99,8 @@ class MappedStorage(UnshardedStorage):
         self.tensor = self.region.tensor(dtype, tuple(shape))
         self._bank = bank
 
-    def back(self) -> None:
-        self._bank.acquire(self.region)
+    def back(self, *, held_elsewhere: bool = False) -> None:
+        self._bank.acquire(self.region, take_pages=not held_elsewhere)
 
     def free(self) -> None:
         self._bank.release(self.region)

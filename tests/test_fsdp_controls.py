@@ -397,6 +397,65 @@ def _stale_read_in_check_mode(mapped: bool):
         _host_memory.wants_mapping = wants
 
 
+def _kept_weight_reads(mapped: bool, keep: str):
+    """A weight kept from block 2's forward and read while block 2's next all-gather is in
+    flight (after its memory was backed, before any peer's rows arrived) must hold zeros or
+    block 2's own values, never another block's ([Note: kept unsharded parameters])."""
+    wants, original = _host_memory.wants_mapping, C.gather_blocks
+    if mapped:  # every buffer in a mapping: the page bank moves freed pages around
+        _host_memory.wants_mapping = lambda nbytes, device: torch.device(device).type == "cpu"
+    reads = []
+    kept = []
+
+    def gather_blocks(pieces, *args, **kw):
+        if kept and any(blocks.data_ptr() == kept[0].data_ptr() for _, blocks, _ in pieces):
+            reads.append(kept[0].detach().clone())  # the peers' rows have not been sent yet
+        return original(pieces, *args, **kw)
+
+    C.gather_blocks = gather_blocks
+    try:
+        model = _build(_cfg(n_layers=3), fully_shard)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        qkv = model.blocks[2].attn.qkv
+        hook = qkv.register_forward_hook(
+            lambda m, i, o: kept.append(m.weight if keep == "param" else m.weight[:])
+        )
+        batches = _batches(dist.get_world_size(), steps=2)
+        x, y = _local(*batches[0])
+        gpt_loss(model, x, y).backward()
+        hook.remove()
+        old = [b.attn.qkv.weight.full_tensor() for b in model.blocks]
+        # small parameters take whole pages, more than the group's bytes the bank budgets
+        # for; a bank that can hold every freed page makes the moves certain
+        model._fsdp.ctx.comm.pages.keep_bytes = 1 << 30
+        opt.step()
+        opt.zero_grad()
+        new = [b.attn.qkv.weight.full_tensor() for b in model.blocks]
+        x, y = _local(*batches[1])
+        gpt_loss(model, x, y).backward()  # block 1's forward prefetches block 2's gather
+    finally:
+        C.gather_blocks = original
+        _host_memory.wants_mapping = wants
+    assert reads, "block 2's all-gather never ran while the weight was kept"
+    if mapped:
+        assert model._fsdp.ctx.comm.pages.moves > 0  # the bank did move pages elsewhere
+    rows = 90  # qkv: (3 * 30, 30)
+    for read in reads:
+        for r in range(rows):
+            row = read[r]
+            mine = torch.equal(row, old[2][r]) or torch.equal(row, new[2][r])
+            others = [
+                b for b in (0, 1) if torch.equal(row, old[b][r]) or torch.equal(row, new[b][r])
+            ]
+            assert mine or (not others and not row.any()), (r, others)
+
+
+@pytest.mark.parametrize("keep", ["param", "view"])
+@pytest.mark.parametrize("mapped", [False, True], ids=["resize", "mapped"])
+def test_a_kept_weight_never_reads_another_parameter(mapped, keep):
+    run_on_ranks(2, _on_route, route="direct", target=_kept_weight_reads, mapped=mapped, keep=keep)
+
+
 @pytest.mark.parametrize("mapped", [False, True], ids=["resize", "mapped"])
 def test_check_mode_makes_reads_of_freed_parameters_fail(mapped):
     run_on_ranks(2, _on_route, route="direct", target=_stale_read_in_check_mode, mapped=mapped)

@@ -52,7 +52,10 @@ def _batches():
     g = torch.Generator().manual_seed(3)
     n = PER_RANK * dist.get_world_size()
     return [
-        (torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, VOCAB, (n, SEQ), generator=g))
+        (
+            torch.randint(0, VOCAB, (n, SEQ), generator=g),
+            torch.randint(0, VOCAB, (n, SEQ), generator=g),
+        )
         for _ in range(STEPS)
     ]
 
@@ -131,9 +134,7 @@ def _lora(base: str):
     _compare(ours, theirs, losses, their_losses, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(
-    "base,route", [("fp32", "staged"), ("bf16", "staged"), ("bf16", "direct")]
-)
+@pytest.mark.parametrize("base,route", [("fp32", "staged"), ("bf16", "staged"), ("bf16", "direct")])
 def test_peft_lora_trains_like_one_process_and_pytorch(base, route):
     run_on_ranks(2, _on_route, route=route, target=_lora, base=base)
 

@@ -76,6 +76,23 @@ def test_page_bank_moves_freed_pages_under_the_next_region():
     assert b.abs().sum().item() == 0.0 and taker.nbytes == size + 4096
 
 
+@linux_only
+def test_page_bank_gives_a_region_something_still_reads_fresh_pages_only():
+    size = 4 << 20
+    bank = _host_memory.PageBank()
+    bank.keep_bytes = size
+    donor, kept = HostRegion(size), HostRegion(size)
+    donor.tensor(torch.float32, (size // 4,)).fill_(3.0)
+    view = kept.tensor(torch.float32, (size // 4,))
+    kept.drop()
+    bank.release(donor)
+    bank.acquire(kept, take_pages=False)  # a tensor kept from forward may read it now
+    assert kept.resident and view.abs().sum().item() == 0.0  # zeros, not the donor's 3.0
+    assert list(bank._held.values()) == [donor]  # the donor's pages wait for another
+    assert bank.moves == 0
+    bank.clear()
+
+
 def test_page_bank_keeps_its_budget_and_clears():
     bank = _host_memory.PageBank()
     bank.keep_bytes = 8 << 20
@@ -162,10 +179,18 @@ def _regions_dropped_after_step():
     from fsdp2._storage import MappedStorage
     from tests.test_fsdp_parity import _batches, _build, _cfg, _train
 
-    model = _build(_cfg(), fully_shard)
-    _train(model, _batches(2, steps=1), local=True)
+    model = _build(_cfg(n_layers=3), fully_shard)
+    model._fsdp.lazy_init()
     pages = model._fsdp.ctx.comm.pages  # the root's own page bank
-    assert pages.moves > 0  # later blocks took earlier blocks' pages
+    # these parameters are far smaller than a page, so their mappings hold more than the
+    # group's bytes the bank budgets for: let it hold them all, so that moves happen
+    pages.keep_bytes = 1 << 30
+    _train(model, _batches(2, steps=2), local=True)
+    # in the second forward block 2 (prefetched by block 1, after block 0 resharded) took
+    # block 0's pages; none move in backward, where
+    # autograd's saved views reference every gathered block ([Note: kept unsharded
+    # parameters]), nor in the first forward (every mapping starts with pages of its own)
+    assert pages.moves > 0
     states = {id(s): s for m in model.modules() if (s := m.__dict__.get("_fsdp_state"))}
     params = [p for s in states.values() if s.group is not None for p in s.group.params]
     assert params and all(isinstance(p.storage, MappedStorage) for p in params)
