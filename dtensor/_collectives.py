@@ -78,6 +78,36 @@ def backend_is_gloo(group) -> bool:
     return "gloo" in str(dist.get_backend(group)).lower()
 
 
+# [Note: one wire form per collective] A redistribution runs eagerly (this module) or inside
+# a compiled graph (``dtensor._collectives_traced``), and each rank decides for itself: one
+# rank can fall back to eager (a graph break, dynamo's recompile limit) while its peers run
+# the graph. Both must then exchange the same messages - the same operations in the same
+# order, with the same sizes and tags - or they wait on each other until the process group
+# times out. So the transport of each collective is chosen here, once, by the three
+# functions below; both modules pack their buffers with the same helpers (``_pad_dim0``,
+# ``_stack_blocks``, ``_all_to_all_send``, ``_prepare_reduce``, ``_row_reduction``) and
+# unpack with the same ones; only how the transport is issued differs (a call here, a
+# functional collective or one of the ``fsdp2_lite`` ops in a graph).
+def gathers_blocks(group) -> bool:
+    """Whether a redistribution's all-gather over ``group`` exchanges each rank's block point
+    to point ([Note: DTensor's collectives on gloo]) instead of all-gathering padded rows."""
+    return backend_is_gloo(group)
+
+
+def reduce_scatters_blocks(group, partial: Partial) -> bool:
+    """Whether a redistribution's reduce-scatter of ``partial`` over ``group`` exchanges
+    blocks point to point (gloo, sum and average) instead of reducing padded rows."""
+    return (
+        backend_is_gloo(group) and type(partial) is Partial and partial.reduce_op in ("sum", "avg")
+    )
+
+
+def reduces_rows_by_all_to_all(group, op: str) -> bool:
+    """Whether ``reduce_rows`` with ``op`` runs an all-to-all and reduces locally (gloo, and
+    max / min everywhere) instead of a reduce-scatter."""
+    return backend_is_gloo(group) or op != "sum"
+
+
 # --------------------------------------------------------------------------- row collectives
 def _get(pool, shape, dtype, device) -> torch.Tensor:
     if pool is None:
@@ -160,7 +190,7 @@ def reduce_rows(
     debug.record("reduce_scatter", _dim_label(mesh, label), k, rows.numel() * rows.element_size())
     if k == 1:
         return Pending(None, lambda: combine_rows(rows, divide_by, op))
-    if backend_is_gloo(group) or op != "sum":
+    if reduces_rows_by_all_to_all(group, op):
         recv = _get(pool, tuple(rows.shape), rows.dtype, rows.device)
         work = dist.all_to_all_single(recv, rows, group=group, async_op=True)
 
@@ -199,28 +229,29 @@ def all_gather(
     group = mesh.get_group(mesh_dim)
     k = mesh.size(mesh_dim)
     pad = padded_chunk_size(full_size, k)
-    if backend_is_gloo(group):
+    sizes = chunk_sizes(full_size, k)
+    if gathers_blocks(group):
         row_bytes = pad * (local.numel() // max(local.size(tensor_dim), 1)) * local.element_size()
         debug.record("all_gather", _dim_label(mesh, mesh_dim), k, row_bytes)
-        sizes = chunk_sizes(full_size, k)
         ws = _workspace.workspace_for_group(mesh, group)
         done = _gather_blocks(local, group, mesh.get_local_rank(mesh_dim), tensor_dim, sizes, ws)
         return done if async_op else Pending.ready(done.wait())
     x = _pad_dim0(local.movedim(tensor_dim, 0), pad)  # (pad, ...)
-    row = x.reshape(1, -1)
-    rows = row.expand(k, -1).contiguous() if backend_is_gloo(group) else row
-    gathered = all_gather_rows(rows, group, k, label=mesh_dim, mesh=mesh)
-    sizes = chunk_sizes(full_size, k)
+    gathered = all_gather_rows(x.reshape(1, -1), group, k, label=mesh_dim, mesh=mesh)
 
     def finish():
-        out = gathered.wait().view(k * pad, *x.shape[1:])
-        if all(s == pad for s in sizes):
-            full = out
-        else:
-            full = torch.cat([out[i * pad : i * pad + s] for i, s in enumerate(sizes)])
-        return full.movedim(0, tensor_dim).contiguous()
+        return _unpad_gathered(gathered.wait().view(k * pad, *x.shape[1:]), sizes, tensor_dim)
 
     return Pending(None, finish) if async_op else Pending.ready(finish())
+
+
+def _unpad_gathered(out: torch.Tensor, sizes: list[int], tensor_dim: int) -> torch.Tensor:
+    """The gathered padded blocks ``(k * pad, ...)`` cut back to ``sizes``, the gathered dim
+    moved back to ``tensor_dim``."""
+    pad = out.size(0) // len(sizes)
+    if any(s != pad for s in sizes):
+        out = torch.cat([out[i * pad : i * pad + s] for i, s in enumerate(sizes)])
+    return out.movedim(0, tensor_dim).contiguous()
 
 
 def all_reduce(local, mesh, mesh_dim: int, partial: Partial, *, async_op=False) -> Pending:
@@ -248,25 +279,30 @@ def reduce_scatter(
     full = local.size(tensor_dim)
     sizes = chunk_sizes(full, k)
     pad = padded_chunk_size(full, k)
-    if backend_is_gloo(group) and type(partial) is Partial and partial.reduce_op in ("sum", "avg"):
+    if reduce_scatters_blocks(group, partial):
         nbytes = k * pad * (local.numel() // max(full, 1)) * local.element_size()
         debug.record("reduce_scatter", _dim_label(mesh, mesh_dim), k, nbytes)
         divide_by = float(k) if partial.reduce_op == "avg" else 1.0
         ws = _workspace.workspace_for_group(mesh, group)
         done = _reduce_blocks(local, group, idx, tensor_dim, sizes, divide_by, ws)
         return done if async_op else Pending.ready(done.wait())
-    moved = local.movedim(tensor_dim, 0)
-    blocks = [_pad_dim0(moved.narrow(0, sum(sizes[:i]), s), pad) for i, s in enumerate(sizes)]
-    stacked = torch.cat(blocks)  # (k * pad, rest...)
-    rest = stacked.shape[1:]
+    stacked = _stack_blocks(local, tensor_dim, sizes, pad)  # (k * pad, rest...)
     x, op, divide_by, post = _row_reduction(stacked.reshape(k, -1), partial, k)
     reduced = reduce_rows(x, idx, group, divide_by=divide_by, op=op, label=mesh_dim, mesh=mesh)
 
     def finish():
-        out = post(reduced.wait()).view(pad, *rest)
+        out = post(reduced.wait()).view(pad, *stacked.shape[1:])
         return out[: sizes[idx]].movedim(0, tensor_dim).contiguous()
 
     return Pending(None, finish) if async_op else Pending.ready(finish())
+
+
+def _stack_blocks(local: torch.Tensor, tensor_dim: int, sizes: list[int], pad: int):
+    """The ``torch.chunk`` blocks of ``tensor_dim``, each padded to ``pad``, stacked along a
+    leading dim: ``(k * pad, rest...)``, rank ``j``'s block at rows ``j * pad``."""
+    moved = local.movedim(tensor_dim, 0)
+    offsets = chunk_offsets(moved.size(0), len(sizes))
+    return torch.cat([_pad_dim0(moved.narrow(0, o, s), pad) for o, s in zip(offsets, sizes)])
 
 
 # --------------------------------------------------------------------------- gloo: blocks
@@ -395,29 +431,41 @@ def all_to_all(
     group = mesh.get_group(mesh_dim)
     k = mesh.size(mesh_dim)
     idx = mesh.get_local_rank(mesh_dim)
-    pad_from, pad_to = padded_chunk_size(full_from, k), padded_chunk_size(full_to, k)
-    to_sizes, from_sizes = chunk_sizes(full_to, k), chunk_sizes(full_from, k)
-    # (to, from, rest...) with both dims padded: block j along dim 0 goes to rank j.
-    x = local.movedim((to_dim, from_dim), (0, 1))
-    blocks = []
-    offset = 0
-    for s in to_sizes:
-        blk = _pad_dim0(x.narrow(0, offset, s), pad_to)
-        blk = _pad_dim0(blk.transpose(0, 1), pad_from).transpose(0, 1)
-        blocks.append(blk)
-        offset += s
-    send = torch.cat(blocks).contiguous()  # (k * pad_to, pad_from, rest...)
+    send = _all_to_all_send(local, k, from_dim, to_dim, full_from, full_to)
     recv = torch.empty_like(send)
     debug.record("all_to_all", _dim_label(mesh, mesh_dim), k, send.numel() * send.element_size())
     work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
 
     def finish():
-        r = recv.view(k, pad_to, pad_from, *send.shape[2:])[:, : to_sizes[idx]]
-        parts = [r[i, :, : from_sizes[i]] for i in range(k)]  # from rank i: its from-chunk
-        out = torch.cat(parts, dim=1)  # (to_chunk, full_from, rest...)
-        return out.movedim((0, 1), (to_dim, from_dim)).contiguous()
+        return _all_to_all_unpack(recv, k, idx, from_dim, to_dim, full_from, full_to)
 
     return Pending(work, finish) if async_op else Pending.ready(finish())
+
+
+def _all_to_all_send(local, k: int, from_dim: int, to_dim: int, full_from: int, full_to: int):
+    """The all-to-all's send buffer ``(k * pad_to, pad_from, rest...)``: ``local`` with
+    ``to_dim`` first and ``from_dim`` second, both padded; block ``j`` along dim 0 goes to
+    rank ``j``."""
+    pad_from, pad_to = padded_chunk_size(full_from, k), padded_chunk_size(full_to, k)
+    x = local.movedim((to_dim, from_dim), (0, 1))
+    blocks = []
+    offset = 0
+    for s in chunk_sizes(full_to, k):
+        blk = _pad_dim0(x.narrow(0, offset, s), pad_to)
+        blk = _pad_dim0(blk.transpose(0, 1), pad_from).transpose(0, 1)
+        blocks.append(blk)
+        offset += s
+    return torch.cat(blocks).contiguous()
+
+
+def _all_to_all_unpack(recv, k: int, idx: int, from_dim, to_dim, full_from: int, full_to: int):
+    """This rank's ``Shard(to_dim)`` piece out of the all-to-all's received buffer."""
+    pad_from, pad_to = padded_chunk_size(full_from, k), padded_chunk_size(full_to, k)
+    to_sizes, from_sizes = chunk_sizes(full_to, k), chunk_sizes(full_from, k)
+    r = recv.view(k, pad_to, pad_from, *recv.shape[2:])[:, : to_sizes[idx]]
+    parts = [r[i, :, : from_sizes[i]] for i in range(k)]  # from rank i: its from-chunk
+    out = torch.cat(parts, dim=1)  # (to_chunk, full_from, rest...)
+    return out.movedim((0, 1), (to_dim, from_dim)).contiguous()
 
 
 def broadcast(t: torch.Tensor, mesh, mesh_dim: int, src_local_rank: int) -> torch.Tensor:

@@ -1,28 +1,43 @@
 """The redistribution collectives in a form ``torch.compile`` can put in a graph.
 
 When AOTAutograd traces DTensor's dispatch (or dynamo runs it on fake tensors), the local
-tensors have no data and ``torch.distributed``'s collectives cannot run on them. The
-functional collectives (``torch.distributed._functional_collectives``) can: they are ops
-that return new tensors, so the tracer records them in the graph, and the compiled code
-runs them on the real process groups. This module gives the same four functions as
-``dtensor._collectives`` (same arguments, a ``Pending`` back) built on them;
+tensors have no data and ``torch.distributed``'s collectives cannot run on them. Graph ops
+can: they return new tensors, so the tracer records them, and the compiled code runs them on
+the real process groups. This module gives the same four functions as
+``dtensor._collectives`` (same arguments, a ``Pending`` back) built on graph ops;
 ``dtensor._redistribute`` picks one module or the other per call (:func:`tracing`).
 
-The results equal the eager path's; padding follows the same [Note: padding] (uneven
-``torch.chunk`` shards are padded to equal blocks and cut back after the exchange).
+Each function puts on the wire exactly what its eager twin puts there ([Note: one wire form
+per collective] in ``dtensor/_collectives.py``), so a rank running a compiled graph and a
+rank that fell back to eager still meet:
+
+* a collective the eager path issues as one ``torch.distributed`` call (all-reduce,
+  all-to-all, and on NCCL all-gather and sum reduce-scatter) becomes the matching
+  functional collective (``torch.distributed._functional_collectives``) on a buffer packed
+  by the same helper;
+* the point-to-point block exchanges of gloo (all-gather, sum / average reduce-scatter;
+  [Note: DTensor's collectives on gloo]) have no functional form: they become the custom ops
+  ``fsdp2_lite::gather_blocks`` and ``fsdp2_lite::reduce_blocks``, whose kernels are the
+  eager exchanges themselves. Graphs keep them even when their result is unused (marked as
+  having side effects), as an eager rank still sends its blocks.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch.distributed.distributed_c10d import _resolve_process_group
 
-from dtensor._collectives import Pending, _pad_dim0
-from dtensor.placement import NormPartial, Partial, chunk_sizes, padded_chunk_size
+from dtensor import _collectives as E
+from dtensor._collectives import Pending
+from dtensor.placement import Partial, chunk_sizes, padded_chunk_size
 
 # torch 2.13 names them *_single; older releases only have *_tensor.
 _gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
 
 
 def tracing(t: torch.Tensor) -> bool:
@@ -35,71 +50,102 @@ def tracing(t: torch.Tensor) -> bool:
     return isinstance(t, (FakeTensor, FunctionalTensor))
 
 
+# ------------------------------------------------------------- gloo's block exchanges as ops
+@torch.library.custom_op("fsdp2_lite::gather_blocks", mutates_args=())
+def gather_blocks(
+    local: torch.Tensor, group_name: str, local_rank: int, tensor_dim: int, sizes: list[int]
+) -> torch.Tensor:
+    """The eager point-to-point all-gather of ``torch.chunk`` blocks (``sizes``) along
+    ``tensor_dim``, as a graph op; ``local`` is block ``local_rank`` of the group."""
+    group = _resolve_process_group(group_name)
+    return E._gather_blocks(local, group, local_rank, tensor_dim, sizes).wait()
+
+
+@gather_blocks.register_fake
+def _gather_blocks_shape(local, group_name, local_rank, tensor_dim, sizes):
+    shape = list(local.shape)
+    shape[tensor_dim] = sum(sizes)
+    return local.new_empty(shape)
+
+
+@torch.library.custom_op("fsdp2_lite::reduce_blocks", mutates_args=())
+def reduce_blocks(
+    local: torch.Tensor,
+    group_name: str,
+    local_rank: int,
+    tensor_dim: int,
+    sizes: list[int],
+    divide_by: float,
+) -> torch.Tensor:
+    """The eager point-to-point sum reduce-scatter of ``local``'s ``torch.chunk`` blocks
+    along ``tensor_dim`` (divided by ``divide_by``), as a graph op."""
+    group = _resolve_process_group(group_name)
+    return E._reduce_blocks(local, group, local_rank, tensor_dim, sizes, divide_by).wait()
+
+
+@reduce_blocks.register_fake
+def _reduce_blocks_shape(local, group_name, local_rank, tensor_dim, sizes, divide_by):
+    shape = list(local.shape)
+    shape[tensor_dim] = sizes[local_rank]
+    return local.new_empty(shape)
+
+
+# Dead-code elimination must not drop an exchange whose result the graph does not use: the
+# peers (eager or compiled) send and wait all the same.
+for _op in (torch.ops.fsdp2_lite.gather_blocks, torch.ops.fsdp2_lite.reduce_blocks):
+    torch.fx.node.has_side_effect(_op.default)
+del _op
+
+
+# ------------------------------------------------------------------------ the four collectives
 def all_gather(local, mesh, mesh_dim: int, tensor_dim: int, full_size: int, *, async_op=False):
+    group = mesh.get_group(mesh_dim)
     k = mesh.size(mesh_dim)
-    pad = padded_chunk_size(full_size, k)
-    x = _pad_dim0(local.movedim(tensor_dim, 0), pad)
-    out = _gather(x, 0, mesh.get_group(mesh_dim))
     sizes = chunk_sizes(full_size, k)
-    if any(s != pad for s in sizes):
-        out = torch.cat([out[i * pad : i * pad + s] for i, s in enumerate(sizes)])
-    return Pending.ready(out.movedim(0, tensor_dim).contiguous())
-
-
-def _reduce_args(local: torch.Tensor, partial: Partial, k: int):
-    """The tensor to reduce, the functional collective's op name, and the finishing step."""
-    if local.dtype == torch.bool:
-        x, op, finish = _reduce_args(local.to(torch.uint8), partial, k)
-        return x, op, lambda y: finish(y).to(torch.bool)
-    if isinstance(partial, NormPartial):
-        p = partial.norm_type
-        if p in (float("inf"), float("-inf")):
-            return local, "max" if p > 0 else "min", lambda y: y
-        if p == 0:
-            return local, "sum", lambda y: y
-        return local.pow(p), "sum", lambda y: y.pow(1.0 / p)
-    op = partial.reduce_op
-    if op == "avg":  # gloo has no average: sum, then divide
-        return local, "sum", lambda y: y / k
-    return local, op, lambda y: y
+    if E.gathers_blocks(group):
+        idx = mesh.get_local_rank(mesh_dim)
+        return Pending.ready(gather_blocks(local, group.group_name, idx, tensor_dim, sizes))
+    x = E._pad_dim0(local.movedim(tensor_dim, 0), padded_chunk_size(full_size, k))
+    return Pending.ready(E._unpad_gathered(_gather(x, 0, group), sizes, tensor_dim))
 
 
 def all_reduce(local, mesh, mesh_dim: int, partial: Partial, *, async_op=False):
-    x, op, finish = _reduce_args(local, partial, mesh.size(mesh_dim))
-    return Pending.ready(finish(funcol.all_reduce(x.contiguous(), op, mesh.get_group(mesh_dim))))
+    x, op, finish = E._prepare_reduce(local, partial, mesh.size(mesh_dim))
+    return Pending.ready(finish(funcol.all_reduce(x, _OP_NAMES[op], mesh.get_group(mesh_dim))))
 
 
 def reduce_scatter(
     local, mesh, mesh_dim: int, tensor_dim: int, partial: Partial, *, async_op=False
 ):
+    group = mesh.get_group(mesh_dim)
     k = mesh.size(mesh_dim)
     idx = mesh.get_local_rank(mesh_dim)
     full = local.size(tensor_dim)
     sizes, pad = chunk_sizes(full, k), padded_chunk_size(full, k)
-    moved = local.movedim(tensor_dim, 0)
-    stacked = torch.cat(
-        [_pad_dim0(moved.narrow(0, sum(sizes[:i]), s), pad) for i, s in enumerate(sizes)]
-    )
-    x, op, finish = _reduce_args(stacked, partial, k)
-    mine = finish(_reduce_scatter(x.contiguous(), op, 0, mesh.get_group(mesh_dim)))
-    return Pending.ready(mine[: sizes[idx]].movedim(0, tensor_dim).contiguous())
+    if E.reduce_scatters_blocks(group, partial):
+        divide_by = float(k) if partial.reduce_op == "avg" else 1.0
+        return Pending.ready(
+            reduce_blocks(local, group.group_name, idx, tensor_dim, sizes, divide_by)
+        )
+    stacked = E._stack_blocks(local, tensor_dim, sizes, pad)  # (k * pad, rest...)
+    rows, op, divide_by, post = E._row_reduction(stacked.reshape(k, -1), partial, k)
+    if k == 1:  # as reduce_rows: nothing to exchange
+        mine = E.combine_rows(rows, divide_by, op)
+    elif E.reduces_rows_by_all_to_all(group, op):
+        recv = funcol.all_to_all_single(rows.contiguous(), None, None, group)
+        mine = E.combine_rows(recv.view(rows.shape), divide_by, op)
+    else:
+        mine = _reduce_scatter(rows.reshape(-1), "sum", 0, group)
+        mine = mine / divide_by if divide_by != 1 else mine
+    out = post(mine).view(pad, *stacked.shape[1:])
+    return Pending.ready(out[: sizes[idx]].movedim(0, tensor_dim).contiguous())
 
 
 def all_to_all(
     local, mesh, mesh_dim, from_dim, to_dim, full_from: int, full_to: int, *, async_op=False
 ):
     k = mesh.size(mesh_dim)
-    idx = mesh.get_local_rank(mesh_dim)
-    pad_from, pad_to = padded_chunk_size(full_from, k), padded_chunk_size(full_to, k)
-    to_sizes, from_sizes = chunk_sizes(full_to, k), chunk_sizes(full_from, k)
-    x = local.movedim((to_dim, from_dim), (0, 1))  # block j along dim 0 goes to rank j
-    blocks, offset = [], 0
-    for s in to_sizes:
-        blk = _pad_dim0(x.narrow(0, offset, s), pad_to)
-        blocks.append(_pad_dim0(blk.transpose(0, 1), pad_from).transpose(0, 1))
-        offset += s
-    send = torch.cat(blocks).contiguous()  # (k * pad_to, pad_from, rest...)
+    send = E._all_to_all_send(local, k, from_dim, to_dim, full_from, full_to)
     recv = funcol.all_to_all_single(send, None, None, mesh.get_group(mesh_dim))
-    r = recv.view(k, pad_to, pad_from, *send.shape[2:])[:, : to_sizes[idx]]
-    out = torch.cat([r[i, :, : from_sizes[i]] for i in range(k)], dim=1)
-    return Pending.ready(out.movedim((0, 1), (to_dim, from_dim)).contiguous())
+    idx = mesh.get_local_rank(mesh_dim)
+    return Pending.ready(E._all_to_all_unpack(recv, k, idx, from_dim, to_dim, full_from, full_to))
