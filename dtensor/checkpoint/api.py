@@ -26,11 +26,6 @@ import logging
 import os
 import shutil
 import uuid
-
-try:
-    import fcntl
-except ImportError:  # not POSIX: no locks, so leftovers of killed saves are never removed
-    fcntl = None
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -51,6 +46,11 @@ from dtensor.checkpoint.metadata import (
 from dtensor.checkpoint.planner import LocalItem, assign_writers, local_item, read_plan
 from dtensor.checkpoint.storage import DataFile, write_file
 from dtensor.tensor import DTensor
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no locks, so leftovers of killed saves are never removed
+    fcntl = None
 
 logger = logging.getLogger(__name__)
 
@@ -256,16 +256,19 @@ class _SavesLock:
 
     def tidy(self, final: Path) -> None:
         """Remove what killed or cut-short saves left of ``final``, if no save is in flight."""
-        if not (self._locked and _flock(self._fd, "exclusive")):
+        if not self._locked:
             return
         try:
-            stale = _aside_dirs(final, "partial")
-            if (final / METADATA_FILE).is_file():
-                stale += _aside_dirs(final, "old")
-            for path in stale:
-                logger.info("removing %s, left by a save that did not finish", path)
-                shutil.rmtree(path, ignore_errors=True)
+            if _flock(self._fd, "exclusive"):
+                stale = _aside_dirs(final, "partial")
+                if (final / METADATA_FILE).is_file():
+                    stale += _aside_dirs(final, "old")
+                for path in stale:
+                    logger.info("removing %s, left by a save that did not finish", path)
+                    shutil.rmtree(path, ignore_errors=True)
         finally:
+            # back to shared, also after a refused upgrade: flock(2) may drop the shared lock
+            # before it finds the exclusive one taken
             _flock(self._fd, "shared")
 
     def release(self) -> None:
