@@ -169,7 +169,7 @@ def default_timeout() -> timedelta:
     if not seconds > 0 or seconds == float("inf"):
         raise ValueError(
             f"DeviceMesh: {TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}. "
-            f"Set it to e.g. 600, or unset it."
+            "Set it to e.g. 600, or unset it."
         )
     return timedelta(seconds=seconds)
 
