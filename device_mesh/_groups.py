@@ -29,8 +29,9 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-# (backend, ranks) -> hold(ProcessGroup) (or GroupMember.NON_GROUP_MEMBER on non-members)
-_GROUP_CACHE: dict[tuple[str, tuple[int, ...]], object] = {}
+# (backend, ranks) -> hold(ProcessGroup) (or GroupMember.NON_GROUP_MEMBER on non-members);
+# (backend, ranks, purpose) -> hold(ProcessGroup) for get_side_group
+_GROUP_CACHE: dict[tuple, object] = {}
 
 
 def hold(group):
@@ -102,42 +103,75 @@ def backend_for(device_type: str, *, api: str = "DeviceMesh") -> str:
     return backend
 
 
-def ensure_default_group(device_type: str) -> None:
-    """Initialize the default process group from the environment if none exists.
+DEFAULT_TIMEOUT = timedelta(seconds=600)
+TIMEOUT_ENV = "DEVICE_MESH_TIMEOUT_S"
 
-    ``torchrun`` sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``; this reads
-    them through ``init_method='env://'``. A lone process with none of them set gets a world of
-    one on a loopback store, which lets scripts and notebooks run unchanged.
+
+def ensure_default_group(device_type: str, *, timeout: timedelta | None = None) -> None:
+    """Initialize the default process group if none exists; otherwise do nothing.
+
+    Under ``torchrun`` (``RANK`` or ``WORLD_SIZE`` set) it is read from the environment
+    (``init_method='env://'``). A lone process with neither gets a world of one on an
+    in-process store, so scripts and notebooks run unchanged; the environment is only read,
+    never written. To choose the backend, the store or the timeout yourself, call
+    ``torch.distributed.init_process_group`` before building a mesh, as with PyTorch.
+
+    Args:
+        device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL).
+        timeout: how long a collective of the default group may wait. ``None`` takes
+            ``DEVICE_MESH_TIMEOUT_S`` (seconds) from the environment when set, else 600 s.
+
+    Raises:
+        ValueError: ``DEVICE_MESH_TIMEOUT_S`` is not a positive number.
+
+    Example:
+        >>> ensure_default_group("cpu", timeout=timedelta(minutes=2))
+        >>> dist.get_world_size()          # 1 in a lone process, WORLD_SIZE under torchrun
+        1
     """
     if dist.is_initialized():
         return
     backend = backend_for(device_type)
-    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ["RANK"] = "0"
-        os.environ["WORLD_SIZE"] = "1"
+    timeout = default_timeout() if timeout is None else timeout
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+    else:
+        # A world of one needs no rendezvous: an in-process store instead of MASTER_ADDR/PORT
+        # (which would have to be written into this process's environment).
+        dist.init_process_group(
+            backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
     logger.info(
-        "initializing the default process group (%s) from the environment: rank %s of %s",
+        "initialized the default process group (%s): rank %d of %d, timeout %s",
         backend,
-        os.environ["RANK"],
-        os.environ["WORLD_SIZE"],
+        dist.get_rank(),
+        dist.get_world_size(),
+        timeout,
     )
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=_timeout_s()))
 
 
-def _timeout_s() -> float:
-    return float(os.environ.get("DEVICE_MESH_TIMEOUT_S", "600"))
+def default_timeout() -> timedelta:
+    """The default group's timeout when none is given: ``DEVICE_MESH_TIMEOUT_S`` or 600 s.
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    Example:
+        >>> default_timeout()              # DEVICE_MESH_TIMEOUT_S unset
+        datetime.timedelta(seconds=600)
+    """
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(
+            f"DeviceMesh: {TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}. "
+            "Set it to e.g. 600, or unset it."
+        )
+    return timedelta(seconds=seconds)
 
 
 def _world_backend_serves(backend: str) -> bool:
@@ -168,6 +202,30 @@ def get_group(ranks: tuple[int, ...], backend: str, *, create: bool = True):
         group = dist.new_group(ranks=list(key[1]), backend=backend)
         logger.debug("created %s process group over ranks %s", backend, key[1])
     _GROUP_CACHE[key] = hold(group)
+    return group
+
+
+def get_side_group(ranks: tuple[int, ...], backend: str, *, purpose: str):
+    """A process group over ``ranks`` of its own, apart from the meshes' groups, created once
+    per ``purpose`` (``"checkpoint-background"``: async checkpointing talks over it from a
+    thread, so its messages never interleave with the training's collectives).
+
+    Only the members call it (``use_local_synchronization``). Held weakly in the same cache as
+    the meshes' groups ([Note: weak group references]): ``destroy_process_group()`` frees it,
+    and after a re-initialization a new one is created instead of the destroyed one reused.
+
+    Example:
+        >>> pg = get_side_group((0, 1), "gloo", purpose="checkpoint-background")
+        >>> pg is get_side_group((0, 1), "gloo", purpose="checkpoint-background")
+        True
+    """
+    _drop_stale_cache()
+    key = (backend, tuple(sorted(ranks)), purpose)
+    group = _alive(_GROUP_CACHE.get(key))
+    if group is None:
+        group = dist.new_group(list(key[1]), backend=backend, use_local_synchronization=True)
+        logger.debug("created %s process group over ranks %s for %s", backend, key[1], purpose)
+        _GROUP_CACHE[key] = hold(group)
     return group
 
 

@@ -53,6 +53,12 @@ def dispatch(func, args, kwargs):
     handler = CUSTOM.get(func)
     if handler is not None:
         return handler(func, args, kwargs)
+    return dispatch_by_rule(func, args, kwargs)
+
+
+def dispatch_by_rule(func, args, kwargs):
+    """The pipeline without the custom handlers: what a handler calls for inputs it leaves to
+    the ordinary rules."""
     view = _inplace.out_of_place_view(func)
     if view is not None:
         return _inplace.change_shape_in_place(func, view, args, kwargs)
@@ -287,11 +293,7 @@ def _check_inputs(func, leaves) -> None:
         elif isinstance(x, torch.Tensor) and x.numel() != 1 and x.device.type != "meta":
             # ValueError, not TypeError: operator wrappers (a + b) turn a TypeError into
             # NotImplemented and the message would be lost.
-            raise ValueError(
-                f"{func}: got a plain torch.Tensor of shape {tuple(x.shape)} mixed with "
-                "DTensors. Only one-element tensors may be mixed in; convert the tensor with "
-                "distribute_tensor(t, mesh, placements) or DTensor.from_local(...)."
-            )
+            raise ValueError(_mixed_message(func, x))
     if is_multi_tensor(func):
         return  # tensors of different list positions may live on different meshes
     first = meshes[0]
@@ -301,6 +303,30 @@ def _check_inputs(func, leaves) -> None:
                 f"{func}: all DTensor inputs must be on one mesh, got {first!r} and {m!r}. "
                 "Redistribute to a common mesh first (full_tensor() + distribute_tensor())."
             )
+
+
+def _mixed_message(func, x: torch.Tensor) -> str:
+    """Why a tensor that is not one of our DTensors met DTensors, and what to do (built only
+    when raising: the check above is on every op's path)."""
+    kind = type(x)
+    if kind.__name__ == "DTensor" and kind.__module__.startswith("torch."):
+        return (
+            f"{func}: got PyTorch's DTensor ({kind.__module__}.DTensor) of shape "
+            f"{tuple(x.shape)} mixed with this library's DTensors. The two libraries' "
+            "tensors do not mix: build every DTensor (and fully_shard / parallelize_module) "
+            "with one of them, or convert with dtensor.DTensor.from_local(t.to_local(), mesh, "
+            "placements)."
+        )
+    return (
+        f"{func}: got a plain torch.Tensor of shape {tuple(x.shape)} mixed with DTensors. Only "
+        "one-element tensors may be mixed in; convert the tensor with distribute_tensor(t, "
+        "mesh, placements) or DTensor.from_local(...). Likely causes: a parameter of a "
+        "fully_shard module read outside its forward or backward (there it is a sharded "
+        "DTensor: read it inside forward, or take param.full_tensor()); a recomputation "
+        "(activation checkpointing, a hook re-running part of the forward) outside fully_shard's "
+        "forward or backward; or tensors of two libraries mixed (PyTorch's fully_shard, "
+        "DTensor or parallelize_module with this library's)."
+    )
 
 
 def _keeps_strided(func, leaves, treespec) -> bool:

@@ -1,8 +1,9 @@
 """Distributed checkpoints: save sharded state from any layout, load it into any other.
 
 A checkpoint is a directory of safetensors files (one per writing rank) and a plain-JSON
-``metadata.json``; nothing is pickled, commits are atomic and every byte is covered by a
-CRC-32. See ``docs/checkpoint.md``.
+``metadata.json``; nothing is pickled, a crashed save leaves a complete checkpoint that
+``load`` finds (the new one or the one before), and every byte is covered by a CRC-32. See
+``docs/checkpoint.md``.
 
 Example::
 

@@ -14,6 +14,7 @@ import sys
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+from rich.text import Text
 
 from dtensor.checkpoint.errors import CheckpointError
 from dtensor.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, export_hf
@@ -33,27 +34,63 @@ def _size(n: int) -> str:
 
 def _inspect(args, console: Console) -> int:
     rows, md = inspect(args.dir)
-    table = Table(title=f"{args.dir}: {len(rows)} tensors, {len(md.files)} files")
-    for col in ("key", "shape", "dtype", "chunks", "bytes"):
-        table.add_column(col, justify="right" if col in ("chunks", "bytes") else "left")
-    for r in rows:
-        table.add_row(r.key, str(list(r.shape)), r.dtype, str(r.chunks), _size(r.nbytes))
-    total = sum(r.nbytes for r in rows)
-    table.add_section()
-    table.add_row("total", "", "", str(sum(r.chunks for r in rows)), _size(total))
-    console.print(table)
+    title = f"{args.dir}: {len(rows)} tensors, {len(md.files)} files"
+    header = ("key", "shape", "dtype", "chunks", "bytes")
+    body = [(r.key, str(list(r.shape)), r.dtype, str(r.chunks), _size(r.nbytes)) for r in rows]
+    total = ("total", "", "", str(sum(r.chunks for r in rows)), _size(sum(r.nbytes for r in rows)))
+    if console.is_terminal:
+        table = Table(title=title)
+        for col in header:
+            right = col in ("chunks", "bytes")
+            # a long key folds onto more lines, never loses characters to an ellipsis
+            table.add_column(col, justify="right" if right else "left", overflow="fold")
+        for cells in [*body, None, total]:
+            if cells is None:
+                table.add_section()
+            else:
+                table.add_row(*(Text(c) for c in cells))  # Text: a key is never markup
+        console.print(table)
+    else:
+        # Piped or redirected: plain aligned columns, whole lines, whatever the width rich
+        # would assume (80 columns off a terminal), so that grep and awk see every key.
+        _plain(console, title)
+        for line in _aligned([header, *body, total], right=(3, 4)):
+            _plain(console, line)
     if md.values:
-        console.print(f"values: {', '.join(sorted(md.values))}")
+        _plain(console, f"values: {', '.join(sorted(md.values))}")
     return 0
+
+
+def _aligned(rows: list[tuple[str, ...]], right: tuple[int, ...]) -> list[str]:
+    """Rows of cells as lines of columns two spaces apart, padded to the widest cell."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [
+            cell.rjust(w) if i in right else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row, widths))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def _plain(console: Console, text: str, label: str = "", style: str = "") -> None:
+    """One line, never wrapped or cropped; ``text`` is printed as it is (no rich markup, so a
+    key or message with brackets stays intact)."""
+    line = Text.assemble((label, style), " " if label else "", text)
+    console.print(line, soft_wrap=True, highlight=False)
 
 
 def _verify(args, console: Console) -> int:
     problems = verify(args.dir)
     for p in problems:
-        console.print(f"[red]problem[/red] {p}")
+        _plain(console, p, "problem", "red")
     if not problems:
-        console.print(
-            f"[green]ok[/green] {args.dir}: metadata, headers and every chunk's CRC-32 check out"
+        _plain(
+            console,
+            f"{args.dir}: metadata, headers and every chunk's CRC-32 check out",
+            "ok",
+            "green",
         )
     return 1 if problems else 0
 
@@ -98,9 +135,9 @@ def _consolidate(args, console: Console) -> int:
         else:
             size = consolidate(args.dir, args.out, key_map=key_map, progress=advance)
             what = _size(size)
-    console.print(f"wrote {args.out}: {total} tensors, {what}")
+    _plain(console, f"wrote {args.out}: {total} tensors, {what}")
     if args.hf:
-        console.print("add the model's config.json (config.save_pretrained) to load it")
+        _plain(console, "add the model's config.json (config.save_pretrained) to load it")
     return 0
 
 
@@ -131,7 +168,7 @@ def main(argv=None) -> int:
             args, console
         )
     except (CheckpointError, OSError) as e:
-        console.print(f"[red]error[/red] {e}")
+        _plain(console, str(e), "error", "red")
         return 1
 
 

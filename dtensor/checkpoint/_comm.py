@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from device_mesh import _groups
 from dtensor.checkpoint.errors import CheckpointError
 
 
@@ -40,15 +41,14 @@ class Group:
     def companion(self) -> Group:
         """A gloo group over the same ranks, for a background thread (created once per ranks).
 
-        Only the ranks of this group take part in creating it.
+        Only the ranks of this group take part in creating it. It lives in device_mesh's
+        group cache, held weakly like every mesh group: ``destroy_process_group()`` frees it,
+        and a re-initialized world gets a new one.
         """
         if self.pg is None:
             return self
         ranks = tuple(dist.get_process_group_ranks(self.pg))
-        pg = _COMPANIONS.get(ranks)
-        if pg is None:
-            pg = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
-            _COMPANIONS[ranks] = pg
+        pg = _groups.get_side_group(ranks, "gloo", purpose="checkpoint-background")
         return Group(pg, self.rank, self.size)
 
     def _device(self) -> torch.device:
@@ -93,11 +93,6 @@ class Group:
             ]
             raise CheckpointError("\n".join(lines))
         return [doc["payload"] for doc in gathered]
-
-
-# Background groups, one per set of ranks. Like the default group they live as long as the
-# process: a group cannot be torn down while another thread may still be using it.
-_COMPANIONS: dict[tuple[int, ...], object] = {}
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -5,10 +5,12 @@ Save, on every rank of the group::
     1. flatten the state dict; describe the block each tensor holds here   (planner)
     2. exchange descriptions; choose one writer per distinct block        (one all_gather)
     3. write this rank's blocks into <dir>.partial-<token>/rank-NNNNN.safetensors, fsync
-    4. exchange byte ranges and CRCs; rank 0 writes metadata.json, fsyncs, renames the
-       partial directory to <dir>                                         (two all_gathers)
+    4. exchange byte ranges and CRCs; rank 0 writes metadata.json, fsyncs, moves an older
+       checkpoint at <dir> aside and renames the partial directory to <dir>  (two all_gathers)
 
-A crash before step 4's rename leaves ``<dir>`` as it was. Load, on every rank::
+A crash before step 4's renames leaves ``<dir>`` as it was; a crash between them leaves the
+previous checkpoint aside, where ``load`` finds it ([Note: replacing a checkpoint]). Load,
+on every rank::
 
     1. parse metadata.json (checked as hostile input); match keys, shapes and kinds
     2. for each tensor, intersect the block this rank holds with the saved chunks
@@ -44,6 +46,11 @@ from dtensor.checkpoint.metadata import (
 from dtensor.checkpoint.planner import LocalItem, assign_writers, local_item, read_plan
 from dtensor.checkpoint.storage import DataFile, write_file
 from dtensor.tensor import DTensor
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no locks, so leftovers of killed saves are never removed
+    fcntl = None
 
 logger = logging.getLogger(__name__)
 
@@ -121,14 +128,26 @@ def _snapshot(state_dict: Mapping, group: Group, *, copy: bool = False) -> _Snap
 
 
 def _write(snap: _Snapshot, final: Path, group: Group) -> None:
-    token, problems = None, []
+    token, problems, lock = None, [], None
     if group.rank == 0:
         token = uuid.uuid4().hex[:12]
         try:
             _check_target(final)
-            _partial_dir(final, token).mkdir(parents=True)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            lock = _SavesLock(final.parent)
+            lock.tidy(final)
+            _partial_dir(final, token).mkdir()
         except (OSError, CheckpointError) as e:
             problems.append(f"cannot prepare {final}: {e}")
+    try:
+        _write_and_commit(snap, final, group, token, problems)
+    finally:
+        if lock is not None:
+            lock.tidy(final)  # an older checkpoint kept aside by an earlier crash is stale now
+            lock.release()
+
+
+def _write_and_commit(snap: _Snapshot, final: Path, group: Group, token, problems) -> None:
     gathered = group.agree(problems, {"token": token, "items": {k: i.describe() for k, i in snap.items.items()},
                                       "values": snap.values})  # fmt: skip
     token = gathered[0]["token"]
@@ -205,6 +224,71 @@ def _partial_dir(final: Path, token: str) -> Path:
     return final.parent / f".{final.name}.partial-{token}"
 
 
+def _aside_dirs(final: Path, kind: str) -> list[Path]:
+    """The ``.<name>.partial-*`` (``kind="partial"``) or ``.<name>.old-*`` directories of
+    ``final``."""
+    prefix = f".{final.name}.{kind}-"
+    if not final.parent.is_dir():
+        return []
+    return sorted(p for p in final.parent.iterdir() if p.name.startswith(prefix) and p.is_dir())
+
+
+# [Note: replacing a checkpoint]
+# Replacing a checkpoint takes two renames (the old one aside to .<name>.old-<token>, then the
+# partial directory to <name>); no portable rename swaps two directories. A crash between them
+# leaves nothing at <name> and the complete previous checkpoint aside: load() then reads that
+# one (logging where), and a later save cleans it up once <name> holds a checkpoint again.
+# A save that was killed leaves its .<name>.partial-<token> behind; the next save to <name>
+# removes it. What it must never remove is the partial directory of a save still in flight
+# (an async_save of this process, or another job, writing the same path). So rank 0 of every
+# save holds a shared flock on the parent directory from before it creates its partial
+# directory until after its commit, and leftovers are removed only under an exclusive flock,
+# taken without waiting: when any save into that parent directory is in flight, the clean-up
+# is skipped and left to a later save. flock locks belong to an open file, so this also tells
+# two saves of one process apart; where the file system refuses the lock (some network file
+# systems), nothing is removed.
+class _SavesLock:
+    """Rank 0's shared lock on the directory a checkpoint is saved into (see the Note)."""
+
+    def __init__(self, parent: Path) -> None:
+        self._fd = os.open(parent, os.O_RDONLY)
+        self._locked = _flock(self._fd, "shared")
+
+    def tidy(self, final: Path) -> None:
+        """Remove what killed or cut-short saves left of ``final``, if no save is in flight."""
+        if not self._locked:
+            return
+        try:
+            if _flock(self._fd, "exclusive"):
+                stale = _aside_dirs(final, "partial")
+                if (final / METADATA_FILE).is_file():
+                    stale += _aside_dirs(final, "old")
+                for path in stale:
+                    logger.info("removing %s, left by a save that did not finish", path)
+                    shutil.rmtree(path, ignore_errors=True)
+        finally:
+            # back to shared, also after a refused upgrade: flock(2) may drop the shared lock
+            # before it finds the exclusive one taken
+            _flock(self._fd, "shared")
+
+    def release(self) -> None:
+        os.close(self._fd)
+
+
+def _flock(fd: int, mode: str) -> bool:
+    """Take (``"shared"``, waiting) or try (``"exclusive"``) a flock; False if not taken."""
+    if fcntl is None:
+        return False
+    try:
+        if mode == "shared":
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        else:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:  # held by another save, or locks unsupported here
+        return False
+
+
 def _check_target(final: Path) -> None:
     if final.exists() and not final.is_dir():
         raise CheckpointError(f"{final} exists and is not a directory")
@@ -258,9 +342,14 @@ def load(
         >>> dcp.load(sd, checkpoint_id="ckpt/step-10")   # model's DTensors now hold the values
     """
     directory = Path(checkpoint_id)
+
+    def open_source():
+        found = _kept_checkpoint(directory)
+        return found, read_metadata(found)
+
     load_from(
         state_dict,
-        lambda: (directory, read_metadata(directory)),
+        open_source,
         group=Group.of(process_group),
         strict=strict,
         whole_source=False,
@@ -292,6 +381,24 @@ def load_from(state_dict: dict, open_source, *, group: Group, strict: bool, whol
             for r in reads:
                 dest[r.dst].copy_(plan.files[r.chunk.file].tensor(r.chunk, dtype)[r.src])
     logger.info("loaded %d tensors from %s", len(plan.copies), directory)
+
+
+def _kept_checkpoint(directory: Path) -> Path:
+    """``directory``, or where a save cut off between its two renames left the previous
+    checkpoint ([Note: replacing a checkpoint]) when nothing is at ``directory``."""
+    if directory.exists():
+        return directory
+    kept = [p for p in _aside_dirs(directory, "old") if (p / METADATA_FILE).is_file()]
+    if not kept:
+        return directory
+    newest = max(kept, key=lambda p: (p / METADATA_FILE).stat().st_mtime_ns)
+    logger.warning(
+        "%s is missing: a save was interrupted while replacing it; loading the previous "
+        "checkpoint, kept at %s",
+        directory,
+        newest,
+    )
+    return newest
 
 
 def read_metadata(directory: Path) -> Metadata:

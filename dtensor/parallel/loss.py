@@ -18,11 +18,12 @@ The loss comes out as a replicated DTensor. Only ``reduction`` "mean"/"sum"/"non
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import torch
 
 from dtensor import _collectives as C
-from dtensor._dispatch import CUSTOM
+from dtensor._dispatch import custom, dispatch_by_rule
 from dtensor._spec import DTensorSpec, TensorMeta, contiguous_stride
 from dtensor.placement import Partial, Replicate, Shard, chunk_offsets
 from dtensor.tensor import DTensor
@@ -31,11 +32,24 @@ aten = torch.ops.aten
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 
+# [Note: loss_parallel is per context]
+# The forward handlers below are registered once, at import, and act only while this context
+# variable is set: entering loss_parallel in one thread changes nothing for another thread
+# (a new thread starts with the default, False), and a nested or failed block restores the
+# value it found. The backward handlers act whenever they are handed a class-sharded
+# log-softmax output: only loss_parallel's forward makes one (the ordinary softmax rule
+# replicates the softmax dim, and nll_loss has no rule for a sharded input), so they need no
+# flag, and the backward is right on whichever thread autograd runs it (a CUDA device thread
+# does not see the caller's context variables).
+_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("loss_parallel", default=False)
+
+
 @contextlib.contextmanager
 def loss_parallel():
     """Compute cross-entropy on class-sharded logits without gathering them.
 
-    Use it around both the loss and its backward.
+    Use it around both the loss and its backward. It affects only the thread (or asyncio
+    task) that entered it; nesting is allowed.
 
     Example:
         >>> logits = model(idx)          # DTensor (B*T, vocab) sharded Shard(1) over mesh["tp"]
@@ -43,33 +57,11 @@ def loss_parallel():
         ...     loss = F.cross_entropy(logits, targets)
         ...     loss.backward()
     """
-    handlers = {
-        aten._log_softmax.default: _log_softmax,
-        aten._log_softmax_backward_data.default: _log_softmax_backward,
-        aten.nll_loss_forward.default: _nll_forward,
-        aten.nll_loss_backward.default: _nll_backward,
-    }
-    saved = {op: CUSTOM.get(op) for op in handlers}
-    CUSTOM.update(handlers)
+    token = _ACTIVE.set(True)
     try:
         yield
     finally:
-        for op, old in saved.items():
-            if old is None:
-                CUSTOM.pop(op, None)
-            else:
-                CUSTOM[op] = old
-
-
-def _fallback(func, args, kwargs):
-    """The op through the ordinary rule pipeline (its inputs are not class-sharded)."""
-    from dtensor._dispatch import dispatch
-
-    saved = CUSTOM.pop(func)
-    try:
-        return dispatch(func, args, kwargs)
-    finally:
-        CUSTOM[func] = saved
+        _ACTIVE.reset(token)
 
 
 def _class_sharded(x, dim: int) -> bool:
@@ -96,10 +88,11 @@ def _column_offset(x: DTensor) -> int:
     return chunk_offsets(x.shape[1], mesh.size())[mesh.get_local_rank()]
 
 
+@custom(aten._log_softmax.default)
 def _log_softmax(func, args, kwargs):
     x, dim, half_to_float = args
-    if not _class_sharded(x, dim):
-        return _fallback(func, args, kwargs)
+    if not (_ACTIVE.get() and _class_sharded(x, dim)):
+        return dispatch_by_rule(func, args, kwargs)
     local, mesh = x._local(), x.device_mesh
     if half_to_float:
         local = local.float()
@@ -109,10 +102,11 @@ def _log_softmax(func, args, kwargs):
     return _wrap(shifted - sum_exp.log(), x, x.placements, x.shape)
 
 
+@custom(aten._log_softmax_backward_data.default)
 def _log_softmax_backward(func, args, kwargs):
     grad, output, dim, dtype = args
     if not (_class_sharded(output, dim) and isinstance(grad, DTensor)):
-        return _fallback(func, args, kwargs)
+        return dispatch_by_rule(func, args, kwargs)
     g, out = grad._local(), output._local()
     row_sum = _all_reduce(g.sum(1, keepdim=True), output.device_mesh, "sum")
     return _wrap((g - out.exp() * row_sum).to(dtype), output, output.placements, output.shape)
@@ -134,10 +128,11 @@ def _check_supported(weight, reduction: int) -> None:
         raise NotImplementedError(f"loss_parallel: unknown reduction {reduction}.")
 
 
+@custom(aten.nll_loss_forward.default)
 def _nll_forward(func, args, kwargs):
     logp, target, weight, reduction, ignore_index = args
-    if not _class_sharded(logp, 1):
-        return _fallback(func, args, kwargs)
+    if not (_ACTIVE.get() and _class_sharded(logp, 1)):
+        return dispatch_by_rule(func, args, kwargs)
     _check_supported(weight, reduction)
     local = logp._local()
     cols, outside, counted = _targets(target, logp, ignore_index)
@@ -155,10 +150,11 @@ def _nll_forward(func, args, kwargs):
     return _wrap(loss, logp, rep), _wrap(total, logp, rep)
 
 
+@custom(aten.nll_loss_backward.default)
 def _nll_backward(func, args, kwargs):
     grad_out, logp, target, weight, reduction, ignore_index, total_weight = args
     if not _class_sharded(logp, 1):
-        return _fallback(func, args, kwargs)
+        return dispatch_by_rule(func, args, kwargs)
     _check_supported(weight, reduction)
     local = logp._local()
     g = grad_out._local() if isinstance(grad_out, DTensor) else grad_out
