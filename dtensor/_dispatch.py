@@ -321,11 +321,12 @@ def _mixed_message(func, x: torch.Tensor) -> str:
         f"{func}: got a plain torch.Tensor of shape {tuple(x.shape)} mixed with DTensors. Only "
         "one-element tensors may be mixed in; convert the tensor with distribute_tensor(t, "
         "mesh, placements) or DTensor.from_local(...). Likely causes: a parameter of a "
-        "fully_shard module read outside its forward or backward (there it is a sharded "
-        "DTensor: read it inside forward, or take param.full_tensor()); a recomputation "
-        "(activation checkpointing, a hook re-running part of the forward) outside fully_shard's "
-        "forward or backward; or tensors of two libraries mixed (PyTorch's fully_shard, "
-        "DTensor or parallelize_module with this library's)."
+        "fully_shard module read while it is sharded, outside its forward or backward (call "
+        "module.unshard() first, or take param.full_tensor()); a module's code run outside "
+        "its own forward (a recomputation, a hook or another method re-running part of the "
+        "forward: register_fsdp_forward_method runs the hooks around another method); or "
+        "tensors of two libraries mixed (PyTorch's fully_shard, DTensor or parallelize_module "
+        "with this library's)."
     )
 
 

@@ -25,7 +25,11 @@ def _check_mixed_messages():
     message = str(info.value)
     for cause in ("outside its forward or backward", "recomputation", "two libraries"):
         assert cause in message, message
+    assert "module.unshard()" in message, message
     assert lin(torch.randn(3, 5)).shape == (3, 7)  # inside forward it is a plain tensor
+    lin.unshard()  # ... and after unshard(), as the message says
+    assert F.linear(torch.randn(3, 5), lin.weight).shape == (3, 7)
+    lin.reshard()
     # PyTorch's DTensor is not a plain tensor: the message says what it is
     ours = distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)])
     theirs = torch_distribute_tensor(
