@@ -44,7 +44,7 @@ class CommContext:
         1
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, check_freed: bool = False) -> None:
         self.device = device
         self.streams = CommStreams(device)
         # Enough for a gather (input and output) and a reduction (rows and receive buffer).
@@ -54,10 +54,13 @@ class CommContext:
         self.pending: deque = deque()
         self.max_pending = MAX_PENDING_REDUCES.get(device.type, DEFAULT_MAX_PENDING_REDUCES)
         # [Note: free by resize] check mode: no mappings, so reads of freed params raise.
-        self.check_freed = os.environ.get("FSDP2_CHECK_FREED", "") not in ("", "0")
+        # fully_shard(check_freed=True) on the root turns it on; the environment variable
+        # FSDP2_CHECK_FREED=1 (or =0) overrides the argument, for a run that cannot be edited.
+        override = os.environ.get("FSDP2_CHECK_FREED", "")
+        self.check_freed = override not in ("", "0") if override else check_freed
         self.post_optim_event = None
         if self.check_freed:
-            logger.info("FSDP2_CHECK_FREED: unsharded parameters freed by resizing")
+            logger.info("fsdp2 check mode: reads of freed unsharded parameters raise")
 
     def storage(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device

@@ -107,7 +107,7 @@ def _spmd_layout(info: MeshInfo, shard_dim: int, tp_spec: DTensorSpec | None):
 
 
 class CheckedParameter(nn.Parameter):
-    """Check mode (``FSDP2_CHECK_FREED=1``): an unsharded parameter that refuses every torch
+    """Check mode (``fully_shard(check_freed=True)``): an unsharded parameter that refuses every torch
     operation while its memory is freed, so a tensor kept from forward and read after
     resharding raises instead of reading freed memory (see ``_storage.py``). Autograd's own
     reads of saved tensors in backward bypass Python and are unaffected.

@@ -137,6 +137,7 @@ class FSDPState:
         self.group = group
         self.mp_policy = mp_policy
         self.reshard_after_forward_arg = reshard_after_forward
+        self.check_freed = False  # the root's fully_shard(check_freed=...) decides
         self.ctx: IterationContext | None = None
         self.outer: FSDPState | None = None  # the enclosing fully_shard call, if any
         # ties to parameters of calls outside this one's subtree, for an enclosing call to
@@ -192,7 +193,7 @@ class FSDPState:
         _check_tied_leftovers(self.modules)
         groups = [s.group for s in states if s.group is not None and s.group.params]
         device = groups[0].device if groups else torch.device("cpu")
-        ctx = IterationContext(self, states, CommContext(device))
+        ctx = IterationContext(self, states, CommContext(device, check_freed=self.check_freed))
         for s in states:
             s.ctx = ctx
             s.is_root = s is self

@@ -18,10 +18,11 @@ CPU buffers, and in check mode. Reading a freed parameter raises (storage of siz
 ``MappedStorage`` (CPU, buffers of 1 MiB and more, where the kernel offers transparent huge
 pages) keeps the buffer in a ``HostRegion`` of its own; freeing drops the pages and the root's
 ``PageBank`` may move them under the next parameter of the same size (see [Note: host
-memory] in ``_host_memory.py``). A read of a freed parameter through a tensor kept from
-forward then returns zeros, or another parameter's values once the pages moved. Setting the
-environment variable ``FSDP2_CHECK_FREED=1`` (read when a root initializes) turns mappings
-off, so such reads raise instead: the check mode for code that keeps unsharded tensors.
+memory] in ``_host_memory.py``), unless something outside the runtime still references the
+buffer ([Note: kept unsharded parameters] in ``_param.py``): a read of a freed parameter
+through a tensor kept from forward then returns zeros or its own values, never another
+parameter's. The check mode (``fully_shard(check_freed=True)`` on the root, or
+``FSDP2_CHECK_FREED=1``) turns mappings off, so such reads raise instead.
 """
 
 from __future__ import annotations

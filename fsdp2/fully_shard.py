@@ -57,6 +57,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen, immutable)
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (frozen, immutable)
     ignored_params: set[nn.Parameter] | None = None,
+    check_freed: bool = False,
 ):
     """Shard ``module``'s parameters over ``mesh`` and gather them only while it computes.
 
@@ -76,6 +77,12 @@ def fully_shard(
         mp_policy: dtypes for compute, reduction and outputs (ours or PyTorch's).
         offload_policy: ``CPUOffloadPolicy()`` keeps sharded state in host memory.
         ignored_params: parameters left alone (not sharded, no gradient reduction).
+        check_freed: (ours, not PyTorch's; read from the root call) check mode: any torch
+            operation on an unsharded parameter while its memory is freed (a tensor kept
+            from forward, read after its module resharded) raises instead of reading freed
+            memory. A debugging aid: it costs a Python check per operation on unsharded
+            parameters. The environment variable ``FSDP2_CHECK_FREED=1`` (or ``=0``)
+            overrides it.
 
     Returns:
         ``module`` itself, now also an ``FSDPModule``.
@@ -98,6 +105,8 @@ def fully_shard(
     info = _mesh_info(mesh)
     device = _compute_device(mesh)
     _check_reshard_after_forward(reshard_after_forward, info)
+    if not isinstance(check_freed, bool):
+        raise TypeError(f"{_API}: check_freed must be a bool, got {check_freed!r}.")
     mp_policy = as_mp_policy(mp_policy)
     offload_policy = as_offload_policy(offload_policy)
     plan = _collect_params(modules, _ignored_ids(ignored_params))
@@ -123,6 +132,7 @@ def fully_shard(
     if isinstance(rab, int) and not isinstance(rab, bool):
         rab = rab != 1
     state = FSDPState(modules, group, mp_policy, rab)
+    state.check_freed = check_freed
     state.pending_ties = plan.pending
     for nested in plan.nested:
         nested.outer = state

@@ -373,13 +373,24 @@ def test_a_failing_fully_shard_changes_nothing():
 
 
 # ----------------------------------------------------------------------------- stale reads
-def _stale_read_in_check_mode(mapped: bool):
+def _stale_read_in_check_mode(mapped: bool, how: str):
     wants = _host_memory.wants_mapping
     if mapped:  # the mapping path, where a stale read would otherwise see other data
         _host_memory.wants_mapping = lambda nbytes, device: torch.device(device).type == "cpu"
-    os.environ["FSDP2_CHECK_FREED"] = "1"
+    if how == "environment":  # the override, for a run whose code cannot be edited
+        os.environ["FSDP2_CHECK_FREED"] = "1"
     try:
-        model = _build(_cfg(), fully_shard)
+        if how == "environment":
+            model = _build(_cfg(), fully_shard)
+        else:
+            model = _build(_cfg(), fully_shard, check_freed=True)
+            os.environ["FSDP2_CHECK_FREED"] = "0"  # the override wins over the argument ...
+            off = _build(_cfg(), fully_shard, check_freed=True)
+            off(torch.zeros(1, 2, dtype=torch.long))
+            assert not off._fsdp.ctx.comm.check_freed
+            del os.environ["FSDP2_CHECK_FREED"]  # ... and without it the argument decides
+        with pytest.raises(TypeError, match="check_freed must be a bool"):
+            fully_shard(nn.Linear(2, 2), check_freed="yes")
         kept = []
         qkv = model.blocks[0].attn.qkv
         handle = qkv.register_forward_hook(lambda m, i, o: kept.append(m.weight))
@@ -393,7 +404,7 @@ def _stale_read_in_check_mode(mapped: bool):
         with pytest.raises(RuntimeError, match="read after fully_shard freed it"):
             torch.cat([kept[0], kept[0]])  # found inside a list argument too
     finally:
-        del os.environ["FSDP2_CHECK_FREED"]
+        os.environ.pop("FSDP2_CHECK_FREED", None)
         _host_memory.wants_mapping = wants
 
 
@@ -456,9 +467,12 @@ def test_a_kept_weight_never_reads_another_parameter(mapped, keep):
     run_on_ranks(2, _on_route, route="direct", target=_kept_weight_reads, mapped=mapped, keep=keep)
 
 
+@pytest.mark.parametrize("how", ["argument", "environment"])
 @pytest.mark.parametrize("mapped", [False, True], ids=["resize", "mapped"])
-def test_check_mode_makes_reads_of_freed_parameters_fail(mapped):
-    run_on_ranks(2, _on_route, route="direct", target=_stale_read_in_check_mode, mapped=mapped)
+def test_check_mode_makes_reads_of_freed_parameters_fail(mapped, how):
+    run_on_ranks(
+        2, _on_route, route="direct", target=_stale_read_in_check_mode, mapped=mapped, how=how
+    )
 
 
 # ----------------------------------------------------------------------------- host reads
