@@ -29,7 +29,15 @@ from dtensor._api import distribute_tensor
 from dtensor._collectives import _dim_label as mesh_dim_label
 from dtensor.parallel import _compute
 from dtensor.parallel._regather import SaveShards
-from dtensor.placement import Placement, Replicate, Shard, chunk_sizes, format_placements
+from dtensor.placement import (
+    Placement,
+    Replicate,
+    Shard,
+    chunk_sizes,
+    format_placements,
+    from_torch_placement,
+    is_torch_placement,
+)
 from dtensor.tensor import DTensor, redistribute_dtensor
 
 
@@ -81,13 +89,11 @@ def _layout(p, name: str, style: str, default: Placement | None = None):
         return default
     if isinstance(p, (tuple, list)) and len(p) == 1:
         p = p[0]
-    if not isinstance(p, Placement):
-        from dtensor.placement import from_torch_placement
-
-        p = from_torch_placement(p)
-    if not isinstance(p, Placement):
+    p = from_torch_placement(p)  # PyTorch's pass isinstance(p, Placement) unconverted
+    if not isinstance(p, Placement) or is_torch_placement(p):
         raise TypeError(
-            f"{style}: {name} must be a placement such as Shard(1) or Replicate(), got {p!r}."
+            f"{style}: {name} must be a placement such as Shard(1) or Replicate(), got {p!r} "
+            f"({type(p).__module__}.{type(p).__qualname__})."
         )
     return p
 
