@@ -71,6 +71,15 @@ class DTensor(torch.Tensor):
             layout=local_tensor.layout,
             requires_grad=requires_grad,
         )
+        # [Note: conjugate and negative views] A lazy conjugate (``x.conj()`` of a complex
+        # tensor; autograd's backward of ``mul`` takes one) or negation is a flag on the
+        # local tensor, and ops run inside __torch_dispatch__ with those flags' handlers
+        # switched off, so they would read the raw values. Set on the wrapper, the flags make
+        # the dispatcher resolve them before an op reaches us (PyTorch's DTensor does so).
+        if local_tensor.is_conj():
+            torch._C._set_conj(r, True)
+        if local_tensor.is_neg():
+            torch._C._set_neg(r, True)
         r._local_tensor = local_tensor
         r._spec = spec
         r._pending = None
