@@ -166,6 +166,42 @@ def test_pytorch_meshes_of_one_root_convert_to_one_root_of_ours():
     run_on_ranks(4, _torch_mesh_family)
 
 
+# ----------------------------------------------------------------------------- mixed DTensors
+def _mixed_dtensors_are_named():
+    """PyTorch's DTensor where ours is expected fails naming each library (the two print
+    alike): it cannot be converted, its local tensor and layout live in the other library."""
+    import torch.distributed.tensor as tdt
+    from torch.distributed.device_mesh import init_device_mesh as torch_init
+    from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
+    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
+
+    from dtensor.experimental import local_map
+
+    ws = dist.get_world_size()
+    mesh, their_mesh = init_device_mesh("cpu", (ws,)), torch_init("cpu", (ws,))
+    ours = distribute_tensor(torch.ones(2 * ws, 3), mesh, [Shard(0)])
+    theirs = tdt.distribute_tensor(torch.ones(2 * ws, 3), their_mesh, [tdt.Shard(0)])
+    named = r"PyTorch's DTensor \(torch\.distributed\.tensor\.DTensor, shape \({}, 3\), "
+    named += r"placements \(Shard\(dim=0\)\)\), but this is ours \(dtensor\.DTensor\)"
+    named = named.format(2 * ws)
+    with pytest.raises(ValueError, match=r"aten\.add\.Tensor: an input is " + named):
+        ours + theirs
+    with pytest.raises(TypeError, match=r"DTensor\.from_local: local_tensor is " + named):
+        DTensor.from_local(theirs, mesh, [Shard(0)])
+    with pytest.raises(TypeError, match=r"distribute_tensor: tensor is " + named):
+        distribute_tensor(theirs, mesh, [Shard(0)])
+    with pytest.raises(TypeError, match=r"local_map: argument 1 is " + named):
+        local_map(torch.add, out_placements=[Shard(0)])(ours, theirs)
+    lin = torch_parallelize(nn.Linear(3, 2 * ws), their_mesh, TorchColwise())
+    with pytest.raises(TypeError, match=r"fully_shard: parameter 'weight' is PyTorch's DTensor"):
+        fully_shard(lin, mesh=mesh)
+    assert type(lin.weight).__module__.startswith("torch.")  # nothing happened to it
+
+
+def test_pytorch_dtensors_mixed_with_ours_fail_naming_each_library():
+    run_on_ranks(2, _mixed_dtensors_are_named)
+
+
 # ----------------------------------------------------------------------------- the recipe
 RECIPE = """
 import torch

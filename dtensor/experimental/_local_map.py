@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 
 from device_mesh import as_device_mesh
 from dtensor.placement import format_placements, normalize_placements
-from dtensor.tensor import DTensor
+from dtensor.tensor import DTensor, is_torch_dtensor, torch_dtensor_message
 
 _API = "local_map"
 
@@ -118,6 +118,8 @@ def _run_local(
                 )
             local_args.append(arg.to_local(grad_placements=grads))
             continue
+        if is_torch_dtensor(arg):
+            raise TypeError(torch_dtensor_message(_API, f"argument {i}", arg))
         if (
             in_placements is not None
             and not isinstance(arg, torch.Tensor)
