@@ -73,8 +73,8 @@ class Placement(metaclass=_PlacementKind):
     def _equals_torch(self, other) -> bool:
         """``self == other`` for one of PyTorch's placements, by PyTorch's own ``__eq__``
         ([Note: PyTorch's placements])."""
-        if not is_torch_placement(other):
-            return False
+        if type(type(other)) is _PlacementKind or not is_torch_placement(other):
+            return False  # ours of another kind (the common case: no lookup), or a stranger
         theirs = self._to_torch()
         return theirs is not None and bool(other == theirs)
 
@@ -202,7 +202,9 @@ class Replicate(Placement):
         return _torch_module().Replicate()
 
     def __eq__(self, other):
-        return isinstance(other, Replicate) or self._equals_torch(other)
+        if type(other) is Replicate:
+            return True
+        return self._equals_torch(other)
 
     def __hash__(self):
         return hash(-1)  # as PyTorch's Replicate
