@@ -11,6 +11,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install --quiet -c constraints.txt --no-deps torchtitan  # test-only; why: constraints.txt
 	touch $@
 
 test: $(VENV)/.installed

@@ -483,6 +483,9 @@ class DeviceMesh:
         """One mesh over the dims of several slices of one root mesh, in root order (the
         mesh a 2-D FSDP + tensor-parallel parameter lives on). No process group is created.
 
+        Meshes converted from PyTorch's that share a PyTorch root concatenate as PyTorch's
+        do, in any order ([Note: converted mesh families] in ``_interop.py``).
+
         Raises:
             ValueError: a mesh has no dim names, the meshes come from different roots, or
                 their dims overlap or are out of root order.
@@ -494,6 +497,10 @@ class DeviceMesh:
         """
         api = "DeviceMesh._concatenate"
         roots = [m._get_root_mesh() for m in meshes]
+        if any("_torch_source" in r.__dict__ for r in roots):
+            from device_mesh import _interop  # [Note: converted mesh families]
+
+            return _interop.concatenate(meshes)
         if any(r != roots[0] for r in roots[1:]):
             listing = ", ".join(repr(m) for m in meshes)
             raise ValueError(
@@ -510,7 +517,9 @@ class DeviceMesh:
         return meshes[0]._get_root_mesh()[names]
 
     def _get_root_mesh(self) -> DeviceMesh:
-        """The mesh this one was sliced or flattened from (itself for a root).
+        """The mesh this one was sliced or flattened from (itself for a root). A mesh
+        converted from PyTorch's answers the conversion of the PyTorch root ([Note: converted
+        mesh families] in ``_interop.py``).
 
         Example:
             >>> mesh["tp"]._get_root_mesh() is mesh
@@ -518,7 +527,7 @@ class DeviceMesh:
         """
         if self._origin[0] == "flat":
             return self._origin[1]._get_root_mesh()
-        return self._root
+        return self._root.__dict__.get("_family_root", self._root)
 
     def _resources(self) -> dict:
         """Runtime resources that the layers above keep with this mesh, one dict per root

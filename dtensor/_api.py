@@ -20,7 +20,7 @@ from dtensor.placement import (
     normalize_placements,
     padded_chunk_size,
 )
-from dtensor.tensor import DTensor
+from dtensor.tensor import DTensor, is_torch_dtensor, torch_dtensor_message
 
 
 def distribute_tensor(
@@ -47,6 +47,8 @@ def distribute_tensor(
     device_mesh = as_device_mesh(device_mesh, api=api, argument="device_mesh")
     if isinstance(tensor, DTensor):
         raise TypeError(f"{api}: tensor is already a DTensor; use tensor.redistribute(...).")
+    if is_torch_dtensor(tensor):
+        raise TypeError(torch_dtensor_message(api, "tensor", tensor))
     placements = normalize_placements(placements, device_mesh.ndim, tensor.ndim, api=api)
     if src_data_rank is not None and not 0 <= src_data_rank < min(device_mesh.shape):
         raise ValueError(

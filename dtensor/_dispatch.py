@@ -28,7 +28,12 @@ from dtensor import (
 from dtensor._ops._common import OpSchema, OutputSharding, find_rule, is_multi_tensor
 from dtensor._spec import DTensorSpec, TensorMeta
 from dtensor.placement import Replicate, _StridedShard, format_placements
-from dtensor.tensor import DTensor, redistribute_dtensor
+from dtensor.tensor import (
+    DTensor,
+    is_torch_dtensor,
+    redistribute_dtensor,
+    torch_dtensor_message,
+)
 
 logger = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -290,6 +295,8 @@ def _check_inputs(func, leaves) -> None:
             meshes.append(x.device_mesh)
         elif indices_ok:
             continue  # index tensors: taken as replicas (see dtensor/_inplace.py)
+        elif is_torch_dtensor(x):
+            raise ValueError(torch_dtensor_message(str(func), "an input", x))
         elif isinstance(x, torch.Tensor) and x.numel() != 1 and x.device.type != "meta":
             # ValueError, not TypeError: operator wrappers (a + b) turn a TypeError into
             # NotImplemented and the message would be lost.

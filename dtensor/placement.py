@@ -10,15 +10,35 @@ Nothing here talks to a process group.
 
 from __future__ import annotations
 
+import sys
+
 _REDUCE_OPS = ("sum", "avg", "max", "min")
 
 
-class Placement:
+class _PlacementKind(type):
+    """The metaclass of our placements: ``isinstance(p, Shard)`` (``Replicate``, ...) also
+    holds for PyTorch's placement of that kind, or of any subclass of its types ([Note:
+    PyTorch's placements])."""
+
+    def __instancecheck__(cls, obj):
+        if type.__instancecheck__(cls, obj):
+            return True
+        if type(type(obj)) is _PlacementKind:  # ours, of another kind
+            return False
+        ours = from_torch_placement(obj)
+        return ours is not obj and type.__instancecheck__(cls, ours)
+
+
+class Placement(metaclass=_PlacementKind):
     """Base class of ``Shard``, ``Replicate`` and ``Partial``; instances are immutable.
 
     Immutable values copy as themselves and pickle as their constructor call, so
     ``copy``, ``deepcopy``, ``pickle`` and ``torch.compile`` (which copies them while
     tracing) all work.
+
+    A placement compares equal to PyTorch's placement of the same meaning, in either order
+    and whatever subclass of PyTorch's types it is, and hashes alike ([Note: PyTorch's
+    placements]).
 
     Example:
         >>> import copy, pickle
@@ -45,6 +65,18 @@ class Placement:
 
     def __delattr__(self, name):
         raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def _to_torch(self):
+        """PyTorch's placement of the same meaning (its DTensor is loaded), or None."""
+        return None
+
+    def _equals_torch(self, other) -> bool:
+        """``self == other`` for one of PyTorch's placements, by PyTorch's own ``__eq__``
+        ([Note: PyTorch's placements])."""
+        if type(type(other)) is _PlacementKind or not is_torch_placement(other):
+            return False  # ours of another kind (the common case: no lookup), or a stranger
+        theirs = self._to_torch()
+        return theirs is not None and bool(other == theirs)
 
     def is_shard(self, dim: int | None = None) -> bool:
         return False
@@ -90,11 +122,16 @@ class Shard(Placement):
     def local_size(size: int, num_chunks: int, index: int) -> int:
         return chunk_sizes(size, num_chunks)[index]
 
+    def _to_torch(self):
+        return _torch_module().Shard(self.dim)
+
     def __eq__(self, other):
-        return type(other) is Shard and other.dim == self.dim
+        if type(other) is Shard:
+            return other.dim == self.dim
+        return self._equals_torch(other)
 
     def __hash__(self):
-        return hash(("Shard", self.dim))
+        return hash(self.dim)  # as PyTorch's Shard: equal placements hash alike
 
     def __repr__(self):
         return f"Shard(dim={self.dim})"
@@ -135,15 +172,16 @@ class _StridedShard(Shard):
         plain = Shard(self.dim).normalized(ndim, api=api)
         return self if plain.dim == self.dim else _StridedShard(plain.dim, self.split_factor)
 
+    def _to_torch(self):
+        return _torch_module()._StridedShard(self.dim, split_factor=self.split_factor)
+
     def __eq__(self, other):
-        return (
-            type(other) is _StridedShard
-            and other.dim == self.dim
-            and other.split_factor == self.split_factor
-        )
+        if type(other) is _StridedShard:
+            return other.dim == self.dim and other.split_factor == self.split_factor
+        return self._equals_torch(other)
 
     def __hash__(self):
-        return hash(("_StridedShard", self.dim, self.split_factor))
+        return hash((self.dim, self.split_factor))  # as PyTorch's _StridedShard
 
     def __repr__(self):
         return f"_StridedShard(dim={self.dim}, split_factor={self.split_factor})"
@@ -160,11 +198,16 @@ class Replicate(Placement):
     def is_replicate(self) -> bool:
         return True
 
+    def _to_torch(self):
+        return _torch_module().Replicate()
+
     def __eq__(self, other):
-        return isinstance(other, Replicate)
+        if type(other) is Replicate:
+            return True
+        return self._equals_torch(other)
 
     def __hash__(self):
-        return hash("Replicate")
+        return hash(-1)  # as PyTorch's Replicate
 
     def __repr__(self):
         return "Replicate()"
@@ -208,11 +251,16 @@ class Partial(Placement):
         """True when the reduction is a (scaled) sum, so linear ops may act on partials."""
         return self.reduce_op in ("sum", "avg")
 
+    def _to_torch(self):
+        return _torch_module().Partial(self.reduce_op)
+
     def __eq__(self, other):
-        return type(other) is type(self) and other.reduce_op == self.reduce_op
+        if type(other) is type(self):
+            return other.reduce_op == self.reduce_op
+        return self._equals_torch(other)
 
     def __hash__(self):
-        return hash((type(self).__name__, self.reduce_op))
+        return 1 + hash(self.reduce_op)  # as PyTorch's Partial
 
     def __repr__(self):
         return f"Partial({self.reduce_op!r})"
@@ -241,6 +289,10 @@ class NormPartial(Partial):
     @property
     def norm_type(self) -> float:
         return self.reduce_op
+
+    def _to_torch(self):
+        math_ops = sys.modules.get("torch.distributed.tensor._ops._math_ops")
+        return None if math_ops is None else math_ops._NormPartial(self.norm_type)
 
     @property
     def is_linear(self) -> bool:
@@ -305,7 +357,7 @@ def normalize_placements(placements, mesh_ndim: int, tensor_ndim: int, *, api: s
                 f"{api}: placements must hold Placement instances, got the class "
                 f"{p.__name__}. Write {p.__name__}() (e.g. Shard(0), Replicate())."
             )
-        if not isinstance(p, Placement):
+        if not isinstance(p, Placement) or is_torch_placement(p):  # one ours lacks
             raise TypeError(
                 f"{api}: placements must hold dtensor Shard/Replicate/Partial instances, got "
                 f"{p!r} ({type(p).__module__}.{type(p).__qualname__}). Use "
@@ -350,19 +402,43 @@ def shard_order(placements, tensor_dim: int) -> list[int]:
     return plain + strided
 
 
+# [Note: PyTorch's placements] PyTorch's Shard, _StridedShard, Replicate and Partial mean
+# what ours do. Code that mixes the libraries (a recipe half ported, or torchtitan, whose
+# spmd_types dependency builds PyTorch's placements that it then checks against the
+# placements of our DTensors) compares them. So one of ours equals one of PyTorch's (or of a
+# subclass of its types) exactly when PyTorch would find that object equal to its own
+# version of ours, and hashes as PyTorch's do: PyTorch's ``__eq__`` answers NotImplemented
+# for a foreign object, and Python then asks ours, so ``==`` and ``!=`` agree in either
+# order. (PyTorch's ``_StridedShard``, ``_MaskPartial`` and ``_NormPartial`` answer False instead; for them
+# only ours-first comparisons are true.) Nothing here imports PyTorch's DTensor: if it was
+# never imported, no object can be one of its placements.
+
+
+def _torch_module():
+    """``torch.distributed.tensor.placement_types``, loaded (a PyTorch placement exists)."""
+    return sys.modules["torch.distributed.tensor.placement_types"]
+
+
 def is_torch_placement(obj) -> bool:
-    """Whether ``obj`` is one of PyTorch's own placement objects (``torch.distributed.tensor``)."""
-    mod = type(obj).__module__
-    return mod.startswith("torch.distributed.tensor") and type(obj).__name__ in (
-        "Shard",
-        "_StridedShard",
-        "Replicate",
-        "Partial",
-    )
+    """Whether ``obj`` is one of PyTorch's placements (``torch.distributed.tensor``), of any
+    subclass of its placement types.
+
+    Example:
+        >>> from torch.distributed.tensor import Shard as TorchShard
+        >>> is_torch_placement(TorchShard(0)), is_torch_placement(Shard(0))
+        (True, False)
+    """
+    module = sys.modules.get("torch.distributed.tensor.placement_types")
+    return module is not None and isinstance(obj, module.Placement)
 
 
 def from_torch_placement(p):
-    """PyTorch's ``Shard``/``Replicate``/``Partial`` as ours (same meaning); others unchanged.
+    """PyTorch's ``Shard``/``_StridedShard``/``Replicate``/``Partial`` (or a subclass) as ours,
+    with the same meaning; anything else unchanged ([Note: PyTorch's placements]).
+
+    PyTorch's partial norms (``_NormPartial``) become ``NormPartial``. Its ``_MaskPartial``
+    (a vocabulary-parallel embedding's partial, reduced through a mask it carries) has no
+    equivalent here and stays as it is, as does a Partial with a reduction ours lacks.
 
     Example:
         >>> from torch.distributed.tensor import Shard as TorchShard
@@ -371,14 +447,21 @@ def from_torch_placement(p):
     """
     if not is_torch_placement(p):
         return p
-    name = type(p).__name__
-    if name == "_StridedShard":
-        return _StridedShard(p.dim, p.split_factor)
-    if name == "Shard":
+    import torch._C._distributed as kinds  # the base classes of PyTorch's placements
+
+    if isinstance(p, kinds.StridedShard):
+        return _StridedShard(p.dim, int(p.split_factor))
+    if isinstance(p, kinds.Shard):
         return Shard(p.dim)
-    if name == "Replicate":
+    if isinstance(p, kinds.Replicate):
         return Replicate()
-    return Partial(p.reduce_op)
+    if isinstance(p, kinds.Partial) and not isinstance(p, _torch_module()._MaskPartial):
+        norm_type = getattr(p, "norm_type", None)
+        if norm_type is not None:
+            return NormPartial(norm_type)
+        if p.reduce_op in _REDUCE_OPS:
+            return Partial(p.reduce_op)
+    return p
 
 
 def format_placements(placements) -> str:

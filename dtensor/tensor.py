@@ -9,6 +9,8 @@ DTensors too and stock optimizers see ordinary tensors.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from device_mesh import DeviceMesh, as_device_mesh
@@ -23,6 +25,30 @@ from dtensor.placement import (
     format_placements,
     normalize_placements,
 )
+
+
+def is_torch_dtensor(obj) -> bool:
+    """Whether ``obj`` is PyTorch's DTensor (``torch.distributed.tensor.DTensor``), which our
+    APIs cannot take in: its local tensor and spec live in another library.
+
+    Example:
+        >>> is_torch_dtensor(distribute_tensor(torch.ones(2), mesh, [Shard(0)]))   # ours
+        False
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None)
+    return isinstance(cls, type) and isinstance(obj, cls)
+
+
+def torch_dtensor_message(api: str, argument: str, obj) -> str:
+    """The error for PyTorch's DTensor handed to one of our APIs: which library is which."""
+    placements = ", ".join(repr(p) for p in obj.placements)
+    return (
+        f"{api}: {argument} is PyTorch's DTensor (torch.distributed.tensor.DTensor, shape "
+        f"{tuple(obj.shape)}, placements ({placements})), but this is ours (dtensor.DTensor): "
+        "the two libraries' DTensors do not mix. Build the tensor with dtensor "
+        "(from dtensor import distribute_tensor), or pass PyTorch's .full_tensor()."
+    )
 
 
 def _dispatch(func, args, kwargs):
@@ -71,6 +97,15 @@ class DTensor(torch.Tensor):
             layout=local_tensor.layout,
             requires_grad=requires_grad,
         )
+        # [Note: conjugate and negative views] A lazy conjugate (``x.conj()`` of a complex
+        # tensor; autograd's backward of ``mul`` takes one) or negation is a flag on the
+        # local tensor, and ops run inside __torch_dispatch__ with those flags' handlers
+        # switched off, so they would read the raw values. Set on the wrapper, the flags make
+        # the dispatcher resolve them before an op reaches us (PyTorch's DTensor does so).
+        if local_tensor.is_conj():
+            torch._C._set_conj(r, True)
+        if local_tensor.is_neg():
+            torch._C._set_neg(r, True)
         r._local_tensor = local_tensor
         r._spec = spec
         r._pending = None
@@ -156,6 +191,8 @@ class DTensor(torch.Tensor):
         if device_mesh is None:
             raise ValueError(f"{api}: device_mesh is required, got None. Pass the mesh.")
         device_mesh = as_device_mesh(device_mesh, api=api, argument="device_mesh")
+        if is_torch_dtensor(local_tensor):
+            raise TypeError(torch_dtensor_message(api, "local_tensor", local_tensor))
         if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensor):
             raise TypeError(
                 f"{api}: local_tensor must be a plain torch.Tensor, got "

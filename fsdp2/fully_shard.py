@@ -29,6 +29,7 @@ from device_mesh import DeviceMesh, as_device_mesh, init_device_mesh
 from device_mesh._groups import backend_for
 from dtensor import DTensor
 from dtensor.placement import Shard, from_torch_placement
+from dtensor.tensor import is_torch_dtensor, torch_dtensor_message
 from fsdp2._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, swap_class
 from fsdp2._param import FSDPParam, MeshInfo, is_managed, replaced_by
 from fsdp2._param_group import FSDPParamGroup, PostForwardMesh
@@ -378,6 +379,12 @@ def _check_params(plan: _Plan, device: torch.device) -> None:
     devices: dict[str, list[str]] = {}
     for p, _locations in plan.new:
         name = plan.names[id(p)]
+        if is_torch_dtensor(p):
+            raise TypeError(
+                torch_dtensor_message(_API, f"parameter {name!r}", p)
+                + " (tensor parallelism from torch.distributed.tensor.parallel: use "
+                "dtensor.parallel's parallelize_module with this fully_shard)"
+            )
         if p.ndim == 0:
             raise ValueError(
                 f"{_API}: parameter {name!r} is 0-d (a scalar) and cannot be sharded. Make it "

@@ -233,3 +233,55 @@ def _check_meta_to_device_keeps_no_global_tensor():
 
 def test_meta_to_device_allocates_only_the_shard():
     run_on_ranks(2, _check_meta_to_device_keeps_no_global_tensor)
+
+
+def _check_complex_views_for_rotary_embeddings():
+    """Rotary embeddings (torchtitan's, Llama's) turn pairs of features into complex numbers:
+    view_as_complex / view_as_real keep shards of every dim but the pairs' own."""
+    import torch.distributed.tensor as tdt
+    from torch.distributed.device_mesh import init_device_mesh as torch_init
+
+    ws = dist.get_world_size()
+    mesh, their_mesh = init_device_mesh("cpu", (ws,)), torch_init("cpu", (ws,))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 5, 2 * ws, 6, generator=g)  # (batch, seq, heads, head_dim)
+    angles = torch.randn(5, 3, generator=g)
+    freqs = torch.polar(torch.ones_like(angles), angles).view(1, 5, 1, 3)
+
+    def rotate(x, f):
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * f).flatten(3)
+
+    ref_q = q.clone().requires_grad_()
+    ref = rotate(ref_q, freqs)
+    ref.pow(2).sum().backward()
+    for dim in (0, 1, 2):  # batch, sequence (sequence parallel), heads (tensor parallel)
+        results = []
+        for m, dist_fn, S, R in (
+            (mesh, distribute_tensor, Shard, Replicate),
+            (their_mesh, tdt.distribute_tensor, tdt.Shard, tdt.Replicate),
+        ):
+            dq = dist_fn(q, m, [S(dim)]).requires_grad_()
+            out = rotate(dq, dist_fn(freqs, m, [R()]))
+            out.full_tensor().pow(2).sum().backward()
+            results.append((out.placements, out.full_tensor(), dq.grad.full_tensor()))
+        (pl, out, grad), (t_pl, t_out, t_grad) = results
+        assert pl == t_pl == (Shard(dim),), (dim, pl, t_pl)  # no gather on the way
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out, t_out, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grad, ref_q.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grad, t_grad, rtol=1e-6, atol=1e-6)
+    # a lazy conjugate (a flag on the local tensor, what mul's backward takes) is honoured
+    pairs = torch.view_as_complex(q.reshape(2, 5, 2 * ws, 3, 2))
+    dpairs = distribute_tensor(pairs, mesh, [Shard(2)])
+    dfreqs = distribute_tensor(freqs, mesh, [Replicate()])
+    assert dfreqs.conj().is_conj()
+    _close(dpairs * dfreqs.conj(), pairs * freqs.conj())
+    _close((dpairs.conj() * dfreqs).conj(), pairs * freqs.conj())
+    # the pairs themselves split over the ranks: gathered first, still right
+    dq = distribute_tensor(q, mesh, [Shard(3)])
+    _close(rotate(dq, distribute_tensor(freqs, mesh, [Replicate()])), ref.detach())
+
+
+def test_complex_views_for_rotary_embeddings_match_torch():
+    run_on_ranks(2, _check_complex_views_for_rotary_embeddings)

@@ -99,6 +99,109 @@ def test_pytorch_objects_are_accepted_and_others_named():
     run_on_ranks(2, _mixed_imports)
 
 
+# ----------------------------------------------------------------------------- mesh families
+def _torch_mesh_family():
+    """PyTorch meshes from two unflattenings of one root (as torchtitan's ParallelDims builds
+    its data-parallel and tensor-parallel meshes) convert into one family of ours."""
+    from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+    from torch.distributed.device_mesh import init_device_mesh as torch_init
+
+    from device_mesh import as_device_mesh
+    from dtensor.parallel import ColwiseParallel, parallelize_module
+    from dtensor.placement import _StridedShard
+
+    world = torch_init("cpu", (4,), mesh_dim_names=("world",))
+    dense = world._unflatten(0, (2, 2), ("fsdp", "tp"))
+    loading = world._unflatten(0, (2, 1, 2), ("batch", "cp", "tp"))
+    dp = as_device_mesh(dense["fsdp"], api="t")
+    tp = as_device_mesh(loading["tp"], api="t")
+    # one conversion per PyTorch mesh (an equal PyTorch mesh included), one root per family
+    assert (
+        as_device_mesh(dense["fsdp"], api="t") is dp
+        and as_device_mesh(loading["tp"], api="t") is tp
+    )
+    assert dp._get_root_mesh() is tp._get_root_mesh() is as_device_mesh(world, api="t")
+    assert (
+        dp.get_group() is dense["fsdp"].get_group() and tp.get_group() is loading["tp"].get_group()
+    )
+    # concatenated as PyTorch concatenates them, over the same process groups
+    both = DeviceMesh._concatenate([dp, tp])
+    theirs = TorchMesh._concatenate([dense["fsdp"], loading["tp"]])
+    assert both.mesh.tolist() == theirs.mesh.tolist() == [[0, 1], [2, 3]]
+    assert both.mesh_dim_names == ("fsdp", "tp") and both._get_root_mesh() is dp._get_root_mesh()
+    assert both.get_group("fsdp") is dp.get_group() and both.get_group("tp") is tp.get_group()
+    assert both["tp"] == tp and DeviceMesh._concatenate([dp, tp]) is both
+    # so fully_shard takes a parameter made tensor-parallel on the other PyTorch mesh
+    torch.manual_seed(0)
+    plain = nn.Linear(6, 5)
+    lin = nn.Linear(6, 5)
+    lin.load_state_dict(plain.state_dict())
+    parallelize_module(lin, loading["tp"], ColwiseParallel(use_local_output=False))
+    fully_shard(lin, mesh=dense["fsdp"])
+    assert lin.weight.device_mesh is both and lin.weight.placements == (
+        _StridedShard(0, 2),
+        Shard(0),
+    )
+    x = torch.randn(3, 6)
+    out = lin(x).full_tensor()
+    out.sum().backward()
+    ref = plain(x)
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lin.weight.grad.full_tensor(), plain.weight.grad)
+    # a mesh of ours and one of PyTorch's do not mix: the message says which is which
+    ours = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
+    with pytest.raises(ValueError, match=r"not slices of one root mesh: some come from PyTorch"):
+        DeviceMesh._concatenate([ours["fsdp"], tp])
+    other = nn.Linear(6, 5)
+    parallelize_module(other, loading["tp"], ColwiseParallel())
+    with pytest.raises(
+        ValueError,
+        match=r"\(ours: device_mesh\.DeviceMesh\).*\(ours, converted from PyTorch's DeviceMesh",
+    ):
+        fully_shard(other, mesh=ours["fsdp"])
+
+
+def test_pytorch_meshes_of_one_root_convert_to_one_root_of_ours():
+    run_on_ranks(4, _torch_mesh_family)
+
+
+# ----------------------------------------------------------------------------- mixed DTensors
+def _mixed_dtensors_are_named():
+    """PyTorch's DTensor where ours is expected fails naming each library (the two print
+    alike): it cannot be converted, its local tensor and layout live in the other library."""
+    import torch.distributed.tensor as tdt
+    from torch.distributed.device_mesh import init_device_mesh as torch_init
+    from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
+    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
+
+    from dtensor.experimental import local_map
+
+    ws = dist.get_world_size()
+    mesh, their_mesh = init_device_mesh("cpu", (ws,)), torch_init("cpu", (ws,))
+    ours = distribute_tensor(torch.ones(2 * ws, 3), mesh, [Shard(0)])
+    theirs = tdt.distribute_tensor(torch.ones(2 * ws, 3), their_mesh, [tdt.Shard(0)])
+    named = r"PyTorch's DTensor \(torch\.distributed\.tensor\.DTensor, shape \({}, 3\), "
+    named += r"placements \(Shard\(dim=0\)\)\), but this is ours \(dtensor\.DTensor\)"
+    named = named.format(2 * ws)
+    with pytest.raises(ValueError, match=r"aten\.add\.Tensor: an input is " + named):
+        ours + theirs
+    with pytest.raises(TypeError, match=r"DTensor\.from_local: local_tensor is " + named):
+        DTensor.from_local(theirs, mesh, [Shard(0)])
+    with pytest.raises(TypeError, match=r"distribute_tensor: tensor is " + named):
+        distribute_tensor(theirs, mesh, [Shard(0)])
+    with pytest.raises(TypeError, match=r"local_map: argument 1 is " + named):
+        local_map(torch.add, out_placements=[Shard(0)])(ours, theirs)
+    lin = torch_parallelize(nn.Linear(3, 2 * ws), their_mesh, TorchColwise())
+    with pytest.raises(TypeError, match=r"fully_shard: parameter 'weight' is PyTorch's DTensor"):
+        fully_shard(lin, mesh=mesh)
+    assert type(lin.weight).__module__.startswith("torch.")  # nothing happened to it
+
+
+def test_pytorch_dtensors_mixed_with_ours_fail_naming_each_library():
+    run_on_ranks(2, _mixed_dtensors_are_named)
+
+
 # ----------------------------------------------------------------------------- the recipe
 RECIPE = """
 import torch

@@ -115,3 +115,80 @@ def test_reshape_groups_and_view_placements():
     # splitting the last dim into heads keeps a shard on the heads
     assert view_placements((2, 8), (2, 4, 2), (Shard(1),), (2,)) == ((Shard(1),), (Shard(1),))
     assert view_placements((2, 8), (2, 4, 2), (Shard(0),), (2,)) == ((Shard(0),), (Shard(0),))
+
+
+# --------------------------------------------------------------------- PyTorch's placements
+def test_pytorch_placements_compare_equal_to_ours_in_either_order():
+    import torch.distributed.tensor as tdt
+    from torch.distributed.tensor.placement_types import _StridedShard as TorchStrided
+
+    from dtensor.placement import _StridedShard
+
+    class SubReplicate(tdt.Replicate):  # a library's own subclass of PyTorch's type
+        pass
+
+    pairs = [
+        (Replicate(), tdt.Replicate()),
+        (Replicate(), SubReplicate()),
+        (Shard(1), tdt.Shard(1)),
+        (Shard(-1), tdt.Shard(-1)),
+        (Partial(), tdt.Partial()),
+        (Partial("avg"), tdt.Partial("avg")),
+        (_StridedShard(0, 2), TorchStrided(0, split_factor=2)),
+    ]
+    for ours, theirs in pairs:
+        assert ours == theirs and not ours != theirs, (ours, theirs)
+        assert hash(ours) == hash(theirs), (ours, theirs)  # equal things hash alike
+        if not isinstance(theirs, TorchStrided):  # its own __eq__ answers False, not ours
+            assert theirs == ours and not theirs != ours, (theirs, ours)
+        assert (ours,) == (theirs,) and (theirs,) in {(ours,)}
+    unequal = [
+        (Replicate(), tdt.Shard(0)),
+        (Shard(0), tdt.Shard(1)),
+        (Shard(0), tdt.Replicate()),
+        (Shard(0), TorchStrided(0, split_factor=2)),
+        (_StridedShard(0, 2), tdt.Shard(0)),
+        (Partial("sum"), tdt.Partial("max")),
+        (Partial(), tdt.Replicate()),
+        (NormPartial(2), tdt.Partial()),
+    ]
+    for ours, theirs in unequal:
+        assert ours != theirs and theirs != ours and not ours == theirs, (ours, theirs)
+    # the message torchtitan printed, "(Replicate(),) ... expects (Replicate(),)", came from
+    # exactly this comparison
+    assert (Replicate(),) == (tdt.Replicate(),)
+
+
+def test_pytorch_placements_are_instances_of_ours_and_convert():
+    import torch.distributed.tensor as tdt
+    from torch.distributed.tensor._ops._math_ops import _NormPartial
+    from torch.distributed.tensor.placement_types import _MaskPartial
+    from torch.distributed.tensor.placement_types import _StridedShard as TorchStrided
+
+    from dtensor.placement import Placement, _StridedShard, from_torch_placement
+
+    # code written for PyTorch's types (torchtitan normalizes Shard dims after an isinstance
+    # check) works with ours swapped in for them
+    assert isinstance(tdt.Shard(-1), Shard) and isinstance(tdt.Replicate(), Replicate)
+    assert isinstance(tdt.Partial("max"), Partial) and isinstance(tdt.Shard(0), Placement)
+    assert isinstance(TorchStrided(0, split_factor=2), _StridedShard)
+    assert isinstance(TorchStrided(0, split_factor=2), Shard)  # as ours nest
+    assert not isinstance(tdt.Shard(0), _StridedShard) and not isinstance(tdt.Shard(0), Replicate)
+    assert not isinstance(Replicate(), Shard) and not isinstance(3, Shard)
+    got = [
+        from_torch_placement(p)
+        for p in (
+            tdt.Shard(1),
+            TorchStrided(1, split_factor=3),
+            tdt.Replicate(),
+            tdt.Partial("min"),
+        )
+    ]
+    assert [type(p) for p in got] == [Shard, _StridedShard, Replicate, Partial]
+    assert got == [Shard(1), _StridedShard(1, 3), Replicate(), Partial("min")]
+    assert from_torch_placement(_NormPartial(3)) == NormPartial(3)
+    # a masked partial has no equivalent here: not converted, refused by name
+    masked = _MaskPartial()
+    assert from_torch_placement(masked) is masked and Partial() != masked
+    with pytest.raises(TypeError, match=r"placement_types\._MaskPartial"):
+        normalize_placements([masked], 1, 2, api="x")

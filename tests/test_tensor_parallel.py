@@ -674,3 +674,133 @@ def _errors():
 
 def test_errors_name_the_problem():
     run_on_ranks(4, _errors)
+
+
+# ------------------------------------------------------------------------- subclasses
+class _LoRALinear(nn.Linear):
+    """A Linear with a low-rank adapter of rank 3 (uneven over 2 ranks): its own forward."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__(n_in, n_out)
+        self.lora_a = nn.Parameter(torch.randn(3, n_in) * 0.3)
+        self.lora_b = nn.Parameter(torch.randn(n_out, 3) * 0.3)
+
+    def forward(self, x):
+        return super().forward(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+class _ScaledLinear(nn.Linear):
+    """A quantized-style Linear: the weight's columns scaled by a buffer before the matmul."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__(n_in, n_out)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, n_in))
+
+    def forward(self, x):
+        return F.linear(x, self.weight * self.scale, self.bias)
+
+
+class _ScaledEmbedding(nn.Embedding):
+    def __init__(self, n, d):
+        super().__init__(n, d)
+        self.gain = nn.Parameter(torch.linspace(0.5, 2.0, d).unsqueeze(0))  # PyTorch shards it
+
+    def forward(self, ids):
+        return super().forward(ids) * self.gain
+
+
+class _ConfigLinear(nn.Linear):
+    """Keeps nn.Linear's forward (like torchtitan's config Linear): gets the local forward."""
+
+
+class _Adapted(nn.Module):
+    def __init__(self, up=_LoRALinear, down=_ScaledLinear):
+        super().__init__()
+        self.emb = _ScaledEmbedding(29, 12)
+        self.up = up(12, 18)  # even over 2 and 3: PyTorch's styles take activations as even
+        self.down = down(18, 12)
+        self.head = nn.Linear(12, 29)
+
+    def forward(self, ids):
+        return self.head(self.down(F.gelu(self.up(self.emb(ids)))))
+
+
+# plan name -> plan. PyTorch's own run of "rowwise_embedding" fails in backward (an
+# AssertionError in _MaskPartial's reduce-scatter, for the embedding scaled by its gain), so
+# that plan is compared with one process only.
+_SUBCLASS_PLANS = {
+    "rowwise_embedding": lambda: {
+        "emb": RowwiseParallel(input_layouts=Replicate()),  # PyTorch's default is Shard(-1)
+        "up": ColwiseParallel(),
+        "down": RowwiseParallel(),
+        "head": ColwiseParallel(use_local_output=False),
+    },
+    "colwise_embedding": lambda: {
+        "emb": ColwiseParallel(output_layouts=Replicate()),
+        "up": ColwiseParallel(),
+        "down": RowwiseParallel(),
+        "head": ColwiseParallel(use_local_output=False),
+    },
+    "lora_rowwise": lambda: {
+        "down": RowwiseParallel(input_layouts=Replicate()),
+        "head": ColwiseParallel(use_local_output=False),
+    },
+}
+
+
+def _subclasses_keep_their_forward(plan: str):
+    from torch.distributed.device_mesh import init_device_mesh as torch_mesh
+    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
+
+    ws = dist.get_world_size()
+    kinds = dict(up=_LoRALinear, down=_LoRALinear) if plan == "lora_rowwise" else {}
+    ids = torch.randint(0, 29, (3, 5), generator=torch.Generator().manual_seed(2))
+    g = torch.randn(3, 5, 29, generator=torch.Generator().manual_seed(3))
+
+    def run(parallelize, mesh, styles):
+        torch.manual_seed(0)
+        model = _Adapted(**kinds)
+        if parallelize is not None:
+            parallelize(model, mesh, styles)
+        out = model(ids)
+        out = _full(out) if parallelize is not None else out
+        out.backward(g)
+        params = {n: p for n, p in model.named_parameters()}
+        grads = {n: None if p.grad is None else _full(p.grad) for n, p in params.items()}
+        return model, out.detach(), grads, params
+
+    _, ref_out, ref_grads, _ = run(None, None, None)
+    ours = _SUBCLASS_PLANS[plan]()
+    model, out, grads, params = run(parallelize_module, init_device_mesh("cpu", (ws,)), ours)
+    # the subclasses' own terms are in: one process agrees
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-5, atol=1e-6, msg=n)
+    # a plain Linear runs the local forward; a subclass with its own forward keeps it (no
+    # forward set on the instance), and its adapter's parameters are replicated
+    assert "forward" in vars(model.head) and "forward" not in vars(model.down)
+    for n in (
+        ("down.lora_a", "down.lora_b") if plan == "lora_rowwise" else ("up.lora_a", "emb.gain")
+    ):
+        assert params[n].placements == (Replicate(),), (n, params[n])
+    if plan != "rowwise_embedding":
+        theirs = {k: _torch_style(v) for k, v in ours.items()}
+        _, t_out, t_grads, t_params = run(torch_parallelize, torch_mesh("cpu", (ws,)), theirs)
+        torch.testing.assert_close(out, t_out, rtol=1e-5, atol=1e-6)
+        for n in grads:
+            torch.testing.assert_close(grads[n], t_grads[n], rtol=1e-5, atol=1e-6, msg=n)
+            if n.endswith(("weight", "bias")) and isinstance(params[n], DTensor):
+                # laid out as PyTorch lays them out (placements compare across libraries)
+                assert params[n].placements == t_params[n].placements, (n, t_params[n])
+    # a subclass that keeps Linear's forward (torchtitan's config Linear) gets the local one
+    model = parallelize_module(
+        _Adapted(up=_ConfigLinear), init_device_mesh("cpu", (ws,)), {"up": ColwiseParallel()}
+    )
+    assert "forward" in vars(model.up)
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("plan", sorted(_SUBCLASS_PLANS))
+def test_linear_and_embedding_subclasses_keep_their_forward(plan, ws):
+    run_on_ranks(ws, _subclasses_keep_their_forward, plan=plan)

@@ -26,6 +26,7 @@ exp2 expm1 floor frac isfinite isinf isnan isneginf isposinf log log10 log1p log
 logical_not neg nan_to_num reciprocal relu round rsqrt sigmoid sign sgn silu gelu sin sinh
 sqrt square tan tanh trunc clamp clamp_min clamp_max hardtanh leaky_relu elu mish softplus
 pow logit fill zero zeros_like ones_like empty_like full_like copy
+_conj conj_physical resolve_conj _neg_view resolve_neg
 """.split()
 _BINARY = """add sub rsub mul div true_divide floor_divide remainder fmod maximum minimum atan2
 eq ne lt le gt ge logical_and logical_or logical_xor bitwise_and bitwise_or bitwise_xor
@@ -54,7 +55,10 @@ _MUL_LIKE = {
     "_foreach_div",
     "_foreach_div_",
 }
+# one operand, linear in it: negation, and complex conjugation (lazy views and their
+# materialization, as complex autograd takes them)
 _NEG_LIKE = {"neg", "neg_", "_foreach_neg", "_foreach_neg_"}
+_NEG_LIKE |= {"_conj", "conj_physical", "resolve_conj", "_neg_view", "resolve_neg"}
 _LIKE = {"zeros_like", "ones_like", "empty_like", "full_like"}
 
 

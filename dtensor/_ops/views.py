@@ -235,3 +235,19 @@ def split_rule(schema):
 def identity_rule(schema):
     spec = schema.args[0]
     return OutputSharding([spec.placements], {})
+
+
+@register(aten.view_as_complex.default)
+def view_as_complex_rule(schema):
+    """``(..., 2)`` real -> ``(...)`` complex (rotary embeddings): shards of the leading dims
+    carry over; the last dim, real and imaginary parts, must be whole."""
+    spec = schema.args[0]
+    last = spec.ndim - 1
+    return _simple(schema, {d: d for d in range(last)}, gather_dims=(last,))
+
+
+@register(aten.view_as_real.default)
+def view_as_real_rule(schema):
+    """``(...)`` complex -> ``(..., 2)`` real: every shard carries over."""
+    spec = schema.args[0]
+    return _simple(schema, {d: d for d in range(spec.ndim)})

@@ -10,9 +10,21 @@ A style does three things to the module it is applied to:
 3. hooks its outputs: redistributed to ``output_layouts``, and handed on as a plain local
    tensor when ``use_local_output``.
 
-``ColwiseParallel`` and ``RowwiseParallel`` also give the module a forward on local tensors
-([Note: local compute] in ``_compute.py``); ``SequenceParallel`` keeps the module's own
-forward, which then runs on DTensors through the op rules.
+``ColwiseParallel`` and ``RowwiseParallel`` also give a plain ``nn.Linear`` / ``nn.Embedding``
+a forward on local tensors ([Note: local compute] in ``_compute.py``); ``SequenceParallel``
+keeps the module's own forward, which then runs on DTensors through the op rules.
+
+[Note: subclasses keep their forward] A subclass of ``nn.Linear`` / ``nn.Embedding`` that
+defines its own ``forward`` (a LoRA adapter, a quantized or scaled linear) keeps it: the
+local forward would compute only ``F.linear`` and silently drop the rest. Its parameters are
+its weight and bias laid out as the style lays out a plain module's, every other parameter
+and buffer (its own and its submodules') replicated, and its forward runs on DTensors
+through the op rules, as PyTorch's styles run every module: same answer, more dispatches.
+(PyTorch's column-parallel style shards every parameter of the module like the weight,
+which fails for a 1-D one such as a gain, and cannot place a submodule's; a replica is
+right whatever the forward does with it.) A subclass that keeps ``nn.Linear``'s forward
+(torchtitan's config ``Linear``) computes exactly what the local forward computes and gets
+it.
 """
 
 from __future__ import annotations
@@ -29,7 +41,15 @@ from dtensor._api import distribute_tensor
 from dtensor._collectives import _dim_label as mesh_dim_label
 from dtensor.parallel import _compute
 from dtensor.parallel._regather import SaveShards
-from dtensor.placement import Placement, Replicate, Shard, chunk_sizes, format_placements
+from dtensor.placement import (
+    Placement,
+    Replicate,
+    Shard,
+    chunk_sizes,
+    format_placements,
+    from_torch_placement,
+    is_torch_placement,
+)
 from dtensor.tensor import DTensor, redistribute_dtensor
 
 
@@ -81,13 +101,11 @@ def _layout(p, name: str, style: str, default: Placement | None = None):
         return default
     if isinstance(p, (tuple, list)) and len(p) == 1:
         p = p[0]
-    if not isinstance(p, Placement):
-        from dtensor.placement import from_torch_placement
-
-        p = from_torch_placement(p)
-    if not isinstance(p, Placement):
+    p = from_torch_placement(p)  # PyTorch's pass isinstance(p, Placement) unconverted
+    if not isinstance(p, Placement) or is_torch_placement(p):
         raise TypeError(
-            f"{style}: {name} must be a placement such as Shard(1) or Replicate(), got {p!r}."
+            f"{style}: {name} must be a placement such as Shard(1) or Replicate(), got {p!r} "
+            f"({type(p).__module__}.{type(p).__qualname__})."
         )
     return p
 
@@ -96,7 +114,7 @@ def _distribute(
     module: nn.Module, name: str, mesh, placement: Placement, call: ParallelizeCall
 ) -> None:
     """Replace ``module.<name>`` by a DTensor parameter laid out as ``placement``."""
-    param = module._parameters[name]
+    param = module._parameters.get(name)  # an Embedding has no bias
     if param is None:
         return
     if id(param) in call.done:
@@ -250,6 +268,27 @@ def _set_forward(module: nn.Module, fn) -> None:
     module.forward = types.MethodType(_eager(fn), module)
 
 
+def _computes_as(module: nn.Module, base: type) -> bool:
+    """Whether ``module``'s forward is ``base``'s own (``nn.Linear`` / ``nn.Embedding``),
+    so the local forward computes the same ([Note: subclasses keep their forward])."""
+    return "forward" not in module.__dict__ and type(module).forward is base.forward
+
+
+def _distribute_subclass(module, mesh, call, weight: Placement, bias: Placement) -> None:
+    """Lay out a subclass that keeps its forward: ``weight`` and ``bias`` as given, every
+    other parameter and buffer of it and its submodules replicated (its forward then sees
+    DTensors only; [Note: subclasses keep their forward])."""
+    own = {"weight": weight, "bias": bias}
+    for sub in module.modules():
+        for name in list(sub._parameters):
+            placement = own.get(name, Replicate()) if sub is module else Replicate()
+            _distribute(sub, name, mesh, placement, call)
+        for name, buf in list(sub._buffers.items()):
+            if buf is not None and not isinstance(buf, DTensor):
+                src = None if buf.device.type == "meta" else call.src_data_rank
+                sub._buffers[name] = distribute_tensor(buf, mesh, (Replicate(),), src_data_rank=src)
+
+
 # --------------------------------------------------------------------------- Linear / Embedding
 class ColwiseParallel(ParallelStyle):
     """Shard a ``Linear``'s output features (weight and bias ``Shard(0)``) or an ``Embedding``'s
@@ -294,12 +333,16 @@ class ColwiseParallel(ParallelStyle):
             )
 
     def _apply(self, module, mesh, call):
-        if isinstance(module, nn.Linear):
-            _distribute(module, "weight", mesh, Shard(0), call)
-            _distribute(module, "bias", mesh, Shard(0), call)
+        base = nn.Linear if isinstance(module, nn.Linear) else nn.Embedding
+        shard = Shard(0) if base is nn.Linear else Shard(1)
+        if not _computes_as(module, base):  # [Note: subclasses keep their forward]
+            _distribute_subclass(module, mesh, call, shard, shard)
+        elif base is nn.Linear:
+            _distribute(module, "weight", mesh, shard, call)
+            _distribute(module, "bias", mesh, shard, call)
             _set_forward(module, _compute.colwise_linear)
         else:
-            _distribute(module, "weight", mesh, Shard(1), call)
+            _distribute(module, "weight", mesh, shard, call)
             _set_forward(module, _compute.colwise_embedding)
         layout = self.input_layouts
 
@@ -347,19 +390,25 @@ class RowwiseParallel(ParallelStyle):
     def _apply(self, module, mesh, call):
         out, local = self.output_layouts, self.use_local_output
         if isinstance(module, nn.Linear):
-            _distribute(module, "weight", mesh, Shard(1), call)
-            _distribute(module, "bias", mesh, Replicate(), call)
-            fn, layout, desired = _compute.rowwise_linear, Shard(-1), Shard(-1)
+            base, weight, fn = nn.Linear, Shard(1), _compute.rowwise_linear
+            layout = desired = Shard(-1)
         else:
-            _distribute(module, "weight", mesh, Shard(0), call)
-            fn, layout, desired = _compute.rowwise_embedding, Replicate(), Replicate()
+            base, weight, fn = nn.Embedding, Shard(0), _compute.rowwise_embedding
+            layout = desired = Replicate()
         layout = self.input_layouts or layout
-        module.forward = _eager(functools.partial(fn, module, output_layout=out))
+        if _computes_as(module, base):
+            _distribute(module, "weight", mesh, weight, call)
+            _distribute(module, "bias", mesh, Replicate(), call)
+            module.forward = _eager(functools.partial(fn, module, output_layout=out))
+            reduce_to = None  # the local forward returns the output laid out already
+        else:  # [Note: subclasses keep their forward]: partial sums out of the op rules
+            _distribute_subclass(module, mesh, call, weight, Replicate())
+            reduce_to = out
         module.register_forward_pre_hook(
             _eager(lambda _, args: (_as_input(args[0], mesh, layout, desired), *args[1:]))
         )
         module.register_forward_hook(
-            _eager(lambda _, __, y: _as_output(y, mesh, None, None, local))
+            _eager(lambda _, __, y: _as_output(y, mesh, None, reduce_to, local))
         )
 
 
