@@ -196,7 +196,16 @@ def _loss(logits, y, tokens: int):
     return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / tokens
 
 
-def _train(llama3, ParallelDims, sp: bool, dp: int, *, torch_run: bool):
+def _ac_config(ac: str | None):
+    """torchtitan's own activation-checkpointing policies, by name."""
+    if ac is None:
+        return None
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    return {"full": FullAC.Config, "selective": SelectiveAC.Config}[ac]()
+
+
+def _train(llama3, ParallelDims, sp: bool, dp: int, *, torch_run: bool, ac: str | None = None):
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 
     ws = dist.get_world_size()
@@ -218,7 +227,7 @@ def _train(llama3, ParallelDims, sp: bool, dp: int, *, torch_run: bool):
         training=TrainingConfig(mixed_precision_param="float32"),
         parallelism=parallelism,
         compile_config=CompileConfig(),
-        ac_config=None,
+        ac_config=_ac_config(ac),
         dump_folder="",
     )
     if torch_run:  # gloo has no PREMUL_SUM (module docstring)
@@ -289,3 +298,39 @@ def _torchtitan_ports_by_imports(sp: bool, dp: int):
 )
 def test_torchtitan_llama3_parallelize_ports_by_changing_imports(ws, dp, sp):
     run_on_ranks(ws, _torchtitan_ports_by_imports, sp=sp, dp=dp, timeout_s=300)
+
+
+def _torchtitan_activation_checkpointing(ac: str):
+    """torchtitan's full and selective activation checkpointing (its ``apply`` wraps every
+    block in ``checkpoint_wrapper``, then ``apply_fsdp`` shards each wrapper) over FSDP at 2
+    ranks, ported by its imports, equal to PyTorch's run and to one process."""
+    import fsdp2
+
+    llama3, parallel_dims, dist_utils = _import_torchtitan()
+    with _on_cpu(parallel_dims, dist_utils):
+        _, their_losses, theirs = _train(
+            llama3, parallel_dims.ParallelDims, False, 2, torch_run=True, ac=ac
+        )
+        with _ported():
+            model, losses, ours = _train(
+                llama3, parallel_dims.ParallelDims, False, 2, torch_run=False, ac=ac
+            )
+        _, plain_losses, _ = _train(
+            llama3, parallel_dims.ParallelDims, False, 2, torch_run=True, ac=None
+        )
+        reference = _first_loss_of_one_process(llama3, False, 2)
+    wrapped = model.layers["0"]
+    assert isinstance(wrapped, fsdp2.FSDPModule)
+    assert type(wrapped).__name__ == "FSDPCheckpointWrapper", type(wrapped)
+    assert losses == pytest.approx(their_losses, rel=1e-5, abs=1e-6), (losses, their_losses)
+    assert losses == pytest.approx(plain_losses, rel=1e-5, abs=1e-6), (losses, plain_losses)
+    assert losses[0] == pytest.approx(reference, rel=1e-5, abs=1e-6), (losses[0], reference)
+    for name, (_, full) in ours.items():
+        torch.testing.assert_close(
+            full, theirs[name][1], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_torchtitan_activation_checkpointing_over_fully_shard(ac):
+    run_on_ranks(2, _torchtitan_activation_checkpointing, ac=ac, timeout_s=300)
