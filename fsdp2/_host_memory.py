@@ -196,13 +196,19 @@ class PageBank:
 
     def acquire(self, region: HostRegion, *, take_pages: bool = True) -> None:
         """Ready ``region`` for writing: its own held pages, else (``take_pages``) a held
-        region's pages, else fresh zero pages as it is written."""
+        region's pages, else fresh zero pages as it is written. In that last case a held
+        region of the same span is dropped at once: the fresh pages take its place, so
+        resident memory stays what it would have been had the pages moved."""
         if region.resident:
             return
-        if self._held.pop(id(region), None) is None and take_pages:  # its own pages are gone
+        if self._held.pop(id(region), None) is None:  # its own pages are gone
             # The most recently freed first: older ones are the first to go over budget.
             for key, donor in reversed(self._held.items()):
-                if region.take_pages_of(donor):
+                if not take_pages and donor._span == region._span:
+                    del self._held[key]
+                    donor.drop()
+                    break
+                if take_pages and region.take_pages_of(donor):
                     del self._held[key]
                     self.moves += 1
                     break

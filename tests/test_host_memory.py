@@ -85,10 +85,18 @@ def test_page_bank_gives_a_region_something_still_reads_fresh_pages_only():
     donor.tensor(torch.float32, (size // 4,)).fill_(3.0)
     view = kept.tensor(torch.float32, (size // 4,))
     kept.drop()
+    other = HostRegion(2 * size)  # another span: stays held
+    other.tensor(torch.uint8, (1,)).fill_(1)
+    bank.keep_bytes = 3 * size
+    bank.release(other)
     bank.release(donor)
+    before = _resident_bytes()
     bank.acquire(kept, take_pages=False)  # a tensor kept from forward may read it now
     assert kept.resident and view.abs().sum().item() == 0.0  # zeros, not the donor's 3.0
-    assert list(bank._held.values()) == [donor]  # the donor's pages wait for another
+    # the donor of the same span was dropped in its place: resident memory does not grow
+    assert list(bank._held.values()) == [other] and not donor.resident
+    assert before - _resident_bytes() >= size * 0.9
+    assert donor.tensor(torch.float32, (1,)).item() == 0.0
     assert bank.moves == 0
     bank.clear()
 
