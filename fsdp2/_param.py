@@ -353,8 +353,10 @@ class FSDPParam:
     def back_storage(self) -> None:
         """Give the unsharded buffer memory right before an all-gather writes into it. A
         buffer something else still references never receives another parameter's pages
-        or bytes ([Note: kept unsharded parameters])."""
-        self.storage.back(held_elsewhere=self.held_elsewhere())
+        or bytes ([Note: kept unsharded parameters]). On accelerators the caching
+        allocator's memory is not checked (as in PyTorch; the check mode catches such reads)."""
+        on_host = self.storage.tensor.device.type == "cpu"
+        self.storage.back(held_elsewhere=on_host and self.held_elsewhere())
 
     def free_unsharded(self) -> None:
         if self.storage is not None:
