@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from device_mesh import init_device_mesh
 from fsdp2 import fully_shard
+from tests import _train_loop as loop
 from tests.harness import run_on_ranks
 
 DIM, VOCAB, SEQ, PER_RANK, STEPS = 9, 37, 5, 2, 3
@@ -83,61 +84,20 @@ class Net(nn.Module):
         return self.head(h)
 
 
-def _batches():
-    g = torch.Generator().manual_seed(3)
-    n = PER_RANK * dist.get_world_size()
-    return [
-        (
-            torch.randint(0, VOCAB, (n, SEQ), generator=g),
-            torch.randint(0, VOCAB, (n, SEQ), generator=g),
-        )
-        for _ in range(STEPS)
-    ]
-
-
 def _loss(logits, y):
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def _train(model, batches, *, local: bool, loss_of=None):
-    loss_of = loss_of or (lambda m, x, y: _loss(m(x), y))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    rank, ws = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for x, y in batches:
-        if local:
-            rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-            x, y = x[rows], y[rows]
-        loss = loss_of(model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        loss = loss.detach().clone()
-        if local:
-            dist.all_reduce(loss)
-            loss /= ws
-        losses.append(loss.item())
-    return losses
+def _logits_loss(model, x, y):
+    return _loss(model(x), y)
 
 
-def _full(p):
-    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-
-
-def _compare(a, b, losses_a, losses_b, *, rtol=1e-5, atol=2e-6):
-    torch.testing.assert_close(torch.tensor(losses_a), torch.tensor(losses_b), rtol=rtol, atol=atol)
-    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
-    assert pa.keys() == pb.keys()
-    for name, p in pa.items():
-        torch.testing.assert_close(_full(p), _full(pb[name]), rtol=rtol, atol=atol, msg=name)
-
-
-def _three_ways(build, blocks_of, loss_of=None):
+def _three_ways(build, blocks_of, loss_of=_logits_loss):
     """Train ``build()`` in one process, under ours and under PyTorch's FSDP2; compare."""
-    batches = _batches()
+    batches = loop.batches(VOCAB, SEQ, PER_RANK, STEPS)
     ws = dist.get_world_size()
     ref = build()
-    ref_losses = _train(ref, batches, local=False, loss_of=loss_of)
+    ref_losses = loop.train(ref, batches, loss_of)
     runs = []
     for shard, mesh in (
         (fully_shard, init_device_mesh("cpu", (ws,))),
@@ -147,10 +107,10 @@ def _three_ways(build, blocks_of, loss_of=None):
         for block in blocks_of(model):
             shard(block, mesh=mesh)
         shard(model, mesh=mesh)
-        runs.append((model, _train(model, batches, local=True, loss_of=loss_of)))
+        runs.append((model, loop.train(model, batches, loss_of, per_rank=PER_RANK)))
     (ours, losses), (theirs, their_losses) = runs
-    _compare(ours, ref, losses, ref_losses)
-    _compare(ours, theirs, losses, their_losses, rtol=0, atol=0)  # two ranks: same sums
+    loop.compare(ours, ref, losses, ref_losses)
+    loop.compare(ours, theirs, losses, their_losses, rtol=0, atol=0)  # two ranks: same sums
 
 
 def _net(form: str) -> Net:

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from device_mesh import init_device_mesh
 from dtensor.debug import CommDebugMode
 from fsdp2 import fully_shard
+from tests import _train_loop as loop
 from tests.harness import run_on_ranks
 from tests.test_fsdp_parity import ROUTES, _on_route
 
@@ -48,53 +49,8 @@ def _lora_llama(base_dtype: torch.dtype):
     return model
 
 
-def _batches():
-    g = torch.Generator().manual_seed(3)
-    n = PER_RANK * dist.get_world_size()
-    return [
-        (
-            torch.randint(0, VOCAB, (n, SEQ), generator=g),
-            torch.randint(0, VOCAB, (n, SEQ), generator=g),
-        )
-        for _ in range(STEPS)
-    ]
-
-
-def _optimizer(model):
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.1)
-
-
-def _train(model, batches, *, local: bool, opt=None):
-    opt = _optimizer(model) if opt is None else opt
-    rank, ws = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for x, y in batches:
-        if local:
-            rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-            x, y = x[rows], y[rows]
-        loss = model(input_ids=x, labels=y).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        loss = loss.detach().float().clone()
-        if local:
-            dist.all_reduce(loss)
-            loss /= ws
-        losses.append(loss.item())
-    return losses
-
-
-def _full(p):
-    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
-
-
-def _compare(a, b, losses_a, losses_b, *, rtol, atol):
-    torch.testing.assert_close(torch.tensor(losses_a), torch.tensor(losses_b), rtol=rtol, atol=atol)
-    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
-    assert pa.keys() == pb.keys()
-    for name, p in pa.items():
-        torch.testing.assert_close(_full(p), _full(pb[name]), rtol=rtol, atol=atol, msg=name)
+def _lm_loss(model, x, y):
+    return model(input_ids=x, labels=y).loss
 
 
 def _shard(model, shard, mesh):
@@ -106,32 +62,32 @@ def _shard(model, shard, mesh):
 def _lora(base: str):
     base_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[base]
     ws = dist.get_world_size()
-    batches = _batches()
+    batches = loop.batches(VOCAB, SEQ, PER_RANK, STEPS)
     ref = _lora_llama(base_dtype)
     dtypes = {("lora" if "lora_" in n else "base", p.dtype) for n, p in ref.named_parameters()}
     assert dtypes == {("lora", torch.float32), ("base", base_dtype)}, dtypes
-    ref_losses = _train(ref, batches, local=False)
+    ref_losses = loop.train(ref, batches, _lm_loss)
 
     ours = _lora_llama(base_dtype)
     _shard(ours, fully_shard, init_device_mesh("cpu", (ws,)))
     layer = ours.base_model.model.model.layers[0]
     assert {p.dtype for p in layer.parameters()} == {base_dtype, torch.float32}
-    opt = _optimizer(ours)
+    opt = loop.adamw(ours)
     with CommDebugMode() as comm:
-        losses = _train(ours, batches[:1], local=True, opt=opt)
+        losses = loop.train(ours, batches[:1], _lm_loss, per_rank=PER_RANK, opt=opt)
     # one all-gather per group in forward, one per layer in backward; one reduction per
     # layer (the root's embedding, norm and head are all frozen: nothing to reduce)
     assert comm.get_comm_counts() == {"all_gather": 5, "reduce_scatter": 2}, comm
-    losses += _train(ours, batches[1:], local=True, opt=opt)
+    losses += loop.train(ours, batches[1:], _lm_loss, per_rank=PER_RANK, opt=opt)
 
     theirs = _lora_llama(base_dtype)
     _shard(theirs, torch_fully_shard, torch_init_device_mesh("cpu", (ws,)))
-    their_losses = _train(theirs, batches, local=True)
+    their_losses = loop.train(theirs, batches, _lm_loss, per_rank=PER_RANK)
 
     # one process: the fp32 rounding of a split batch's gradient sum (measured: losses
     # within 5e-7, adapters within 3e-7, on either base)
-    _compare(ours, ref, losses, ref_losses, rtol=1e-5, atol=2e-6)
-    _compare(ours, theirs, losses, their_losses, rtol=0, atol=0)
+    loop.compare(ours, ref, losses, ref_losses, rtol=1e-5, atol=2e-6)
+    loop.compare(ours, theirs, losses, their_losses, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("base,route", [("fp32", "staged"), ("bf16", "staged"), ("bf16", "direct")])
@@ -180,7 +136,7 @@ def _mixed(raf):
             opt.zero_grad()
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert p.dtype == q.dtype, name
-        torch.testing.assert_close(_full(p), q.detach(), rtol=1e-5, atol=2e-6, msg=name)
+        torch.testing.assert_close(loop.full(p), q.detach(), rtol=1e-5, atol=2e-6, msg=name)
 
 
 @pytest.mark.parametrize("route", ROUTES)
