@@ -219,6 +219,15 @@ def _run(func, args, leaves, treespec, sharding: OutputSharding, out_meta):
     local_args, local_kwargs = _unflatten(local_leaves, treespec)
     out = (sharding.local_fn or func)(*local_args, **local_kwargs)
     if inplace:
+        # The local op ran below autograd, which left the local tensors' version counters
+        # alone; bump them as a plain in-place op would, so a write through a tensor that
+        # shares one (``p.data``'s local, ``to_local()``) is seen by whoever checks it.
+        written = local_args[0]
+        torch.autograd.graph.increment_version(
+            [t for t in written if isinstance(t, torch.Tensor)]
+            if isinstance(written, (list, tuple))
+            else written
+        )
         target = args[0]
         if getattr(target, "_view_of", None) is not None:
             _inplace.write_back(target)

@@ -134,8 +134,9 @@ class RowLayout:
     When every parameter is gathered in one dtype (the usual case) the row is a tensor of
     that dtype and slot ``i`` is ``padded_numel`` elements wide. Parameters of different
     dtypes (a frozen bf16 base with fp32 LoRA adapters) travel in one row of bytes: slot
-    ``i`` holds ``padded_numel * itemsize`` bytes, rounded up to 8 so that every slot, and
-    every row, starts where any dtype may be viewed.
+    ``i`` holds ``padded_numel * itemsize`` bytes, rounded up to the largest item size of
+    the group (8 at least) so that every slot, and every row, starts where each of the
+    group's dtypes may be viewed (complex128 needs 16).
 
     Example::
 
@@ -144,14 +145,12 @@ class RowLayout:
         (torch.uint8, [16, 16], 32)
     """
 
-    _ALIGN = 8
-
     def __init__(self, numels: list[int], dtypes: list[torch.dtype]) -> None:
         self.numels = numels
         self.dtypes = dtypes
         self.mixed = len(set(dtypes)) > 1
         if self.mixed:
-            align = self._ALIGN
+            align = max(8, *(d.itemsize for d in dtypes))
             self.row_dtype = torch.uint8
             self.widths = [-(-n * d.itemsize // align) * align for n, d in zip(numels, dtypes)]
         else:

@@ -52,6 +52,13 @@ from fsdp2._storage import UnshardedStorage
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
+def _python_references(t: torch.Tensor) -> int:
+    """Python references to ``t``; while C++ also holds it (autograd's accumulator, a saved
+    tensor) the tensor keeps one more reference to its Python object, not counted here."""
+    shared = t._use_count() > 1 if hasattr(t, "_use_count") else False
+    return sys.getrefcount(t) - 1 - shared
+
+
 @dataclass(frozen=True)
 class MeshInfo:
     """How a ``fully_shard`` mesh is used: one dim shards, an optional other dim replicates.
@@ -328,27 +335,32 @@ class FSDPParam:
         self.unsharded_param = param
         self._unsharded_key = key
         del full, param
-        self._own_storage_refs = self._storage_refs()
+        self._own_refs = self._references()
 
     def unsharded_rank_blocks(self) -> torch.Tensor:
         """The unsharded buffer as ``(shard_size, padded_numel)``: block r = rank r's chunk."""
         return self.storage.tensor.view(self.mesh_info.shard_size, self.padded_numel)
 
-    def _storage_refs(self) -> int:
-        return _use_count(self.storage.tensor.untyped_storage()._cdata)
+    def _references(self) -> tuple[int, int, int]:
+        """Python references to the unsharded parameter and (tensor parallel) to its local
+        tensor, and C++ users of its storage (every tensor and view over it)."""
+        param = self.unsharded_param
+        local = _python_references(param._local_tensor) if self.tp_spec is not None else 0
+        storage = _use_count(self.storage.tensor.untyped_storage()._cdata)
+        return _python_references(param), local, storage
 
     def held_elsewhere(self) -> bool:
-        """[Note: kept unsharded parameters] Whether anything but the runtime references the
-        unsharded parameter or its memory: the parameter object kept from forward (the
-        Python reference count: ``self.unsharded_param`` and the call's argument are ours),
-        or a tensor over its storage - a view someone kept, or one autograd saved for
-        backward (the storage's C++ use count, against the runtime's own at creation)."""
+        """[Note: kept unsharded parameters] Whether anything but the runtime may read the
+        unsharded parameter's memory: a Python reference to the parameter kept from forward
+        (``w = module.weight``), to its local tensor (``to_local()`` under tensor
+        parallelism), or any tensor over its storage - a view someone kept, or one autograd
+        saved for backward. Counted against the runtime's own references at creation. C++
+        users of the parameter itself (autograd's gradient accumulator, while a graph
+        lives) never read it outside backward and are not counted; the Python count is
+        corrected for the one reference they add."""
         if _use_count is None:  # cannot tell: assume the worst
             return True
-        return (
-            sys.getrefcount(self.unsharded_param) > 2
-            or self._storage_refs() > self._own_storage_refs
-        )
+        return any(now > own for now, own in zip(self._references(), self._own_refs))
 
     def back_storage(self) -> None:
         """Give the unsharded buffer memory right before an all-gather writes into it. A

@@ -15,11 +15,12 @@ memory (``reshard_after_forward=False``) and during a group's backward, a module
 and ``named_parameters()`` are the unsharded tensors; ``SHARDED_POST_FORWARD`` registers the
 sharded DTensors. ``state_dict()`` reshards first (``_state_dict.py``).
 
-[Note: stale gathered copies] Gathered parameters may be kept across an optimizer step (a
-forward under no_grad with ``reshard_after_forward=False`` between backward and ``step()``,
-or ``reshard_after_backward=False``). PyTorch's FSDP2 then computes the next forward with the
-old values. Here each gather records the shards' version counters (an in-place write bumps
-them), and ``unshard()`` on an unsharded group whose shards changed since gathers again.
+[Note: stale gathered copies] Gathered parameters, or the rows ``reshard_after_forward=k``
+keeps, may outlive an optimizer step (a forward that no backward follows - under no_grad,
+say - between backward and ``step()``, or ``reshard_after_backward=False``). PyTorch's FSDP2
+then computes the next forward with the old values. Here each gather records the shards'
+version counters (an in-place write bumps them), and ``unshard()`` drops what was kept and
+gathers again when a shard changed since.
 
 ``post_backward()`` takes the unsharded gradients and issues one reduction of their
 rank-major blocks in the reduce dtype, plus one "had a gradient" flag per parameter, so a
@@ -203,12 +204,12 @@ class FSDPParamGroup:
         """Start the all-gather (returns at once); ``wait_for_unshard`` completes it."""
         if self._gather is not None:
             return
+        if self.state is not ShardedState.SHARDED and self._shards_changed():
+            # [Note: stale gathered copies] parameters (or the rows reshard_after_forward=k
+            # keeps) gathered before an optimizer step: drop them and gather again
+            self.discard_unsharded()
         if self.state is ShardedState.UNSHARDED:
-            if not self._shards_changed():
-                return
-            # [Note: stale gathered copies] kept since before an optimizer step (a forward
-            # under no_grad, or reshard_after_backward=False, then step()): gather again
-            self.reshard()
+            return
         if not self.params or self.trivial:  # nothing to gather (a tie moved all away)
             for p in self.params:
                 p.alias_shard()

@@ -47,8 +47,9 @@ def check_optimizer(optimizer, args, kwargs) -> None:
             "ones it trains: the optimizer was built while the modules registered their "
             "gathered parameters (after unshard(), after a forward with "
             "reshard_after_forward=False or under no_grad, or after an exception in "
-            "backward). Build the optimizer on model.parameters() after model.reshard() "
-            "(or reset_iter_state() after an exception), e.g. right after fully_shard."
+            "backward). Build the optimizer on model.parameters() right after fully_shard, "
+            "before any forward (or after reshard() on every FSDPModule: for m in "
+            "model.modules(): if isinstance(m, FSDPModule): m.reshard())."
         )
     if stale:
         shown = ", ".join(repr(n) for n in stale[:5]) + (" ..." if len(stale) > 5 else "")

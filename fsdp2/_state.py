@@ -7,8 +7,8 @@ forward
     prefetch the first block's all-gather. Each block's pre-forward waits for its own
     all-gather (already in flight), registers the unsharded parameters, issues the next
     block's, and wraps the block's inputs in an identity autograd function whose backward is
-    the block's *post-backward*. Its post-forward reshards (or only registers the sharded
-    parameters again, when it keeps the memory) and hooks the outputs so that the first
+    the block's *post-backward*. Its post-forward reshards (unless the block keeps its
+    parameters: ``reshard_after_forward=False``) and hooks the outputs so that the first
     gradient to reach them is the block's *pre-backward*.
 backward
     pre-backward: re-gather (or wait for the prefetched gather), prefetch the block that ran
@@ -193,7 +193,8 @@ class FSDPState:
         _check_tied_leftovers(self.modules)
         groups = [s.group for s in states if s.group is not None and s.group.params]
         device = groups[0].device if groups else torch.device("cpu")
-        ctx = IterationContext(self, states, CommContext(device, check_freed=self.check_freed))
+        check_freed = any(s.check_freed for s in states)  # any call of this root asked
+        ctx = IterationContext(self, states, CommContext(device, check_freed=check_freed))
         for s in states:
             s.ctx = ctx
             s.is_root = s is self
@@ -226,6 +227,11 @@ class FSDPState:
             self.training_state is TrainingState.PRE_BACKWARD
             and torch._C._current_graph_task_id() != -1
         )
+
+    def in_compute(self) -> bool:
+        """Whether the modules are inside their forward, or inside a backward the autograd
+        engine is running now (a state an exception left behind does not count)."""
+        return self.training_state is TrainingState.FORWARD or self._recomputing()
 
     def _pre_forward_hook(self, module, args, kwargs):
         if self._recomputing():
@@ -290,7 +296,8 @@ class FSDPState:
         if self.group is not None:
             self.group.reshard()  # memory back at once; parameters() shows the shards
         if self.ctx is not None and self.training_state is TrainingState.FORWARD:
-            self.ctx.aborted = True
+            self.ctx.aborted = True  # the root's next forward resets the iteration
+        self.training_state = TrainingState.IDLE  # out of this forward
         return None
 
     def _has_grad_params(self) -> bool:

@@ -4,11 +4,13 @@ Modules register their unsharded parameters whenever these are gathered (after
 ``unshard()``, between forward and backward with ``reshard_after_forward=False``, during
 backward), as in PyTorch's FSDP2. So, on every module that registers a managed parameter:
 
-* saving reshards first, as PyTorch's pre-hook does: the memory is freed and the next forward
-  (or backward) gathers again. Inside a forward or backward, where the module is computing
-  with the unsharded parameters, the shards are swapped in for the save only and swapped
-  back after it, so the computation goes on;
-* loading reshards first too (the rows ``reshard_after_forward=int`` kept included), so the
+* saving swaps the sharded parameters in for the save and back after it: the state dict
+  holds the shards in their original dtype, and nothing else changes - no memory is freed
+  and no later all-gather is added. PyTorch's pre-hook reshards instead, which makes the
+  next forward or backward gather again; a ``state_dict()`` called on some ranks only
+  (rank 0 saving a checkpoint) would then put the ranks' collectives out of step. Here it
+  cannot (a deliberate difference, docs/fsdp2.md);
+* loading reshards first (the rows ``reshard_after_forward=int`` kept included), so the
   next forward gathers the loaded values; a load from inside a forward or backward is an
   error, since autograd has already saved the old values.
 """
@@ -17,23 +19,21 @@ from __future__ import annotations
 
 from torch import nn
 
-from fsdp2._state import TrainingState
-
 
 def add_location(module: nn.Module, attr: str, fsdp_param) -> None:
     """Record that ``module.attr`` is managed by ``fsdp_param`` and hook the module once."""
     locations = module.__dict__.setdefault("_fsdp_locations", {})
     if not locations:
-        module.register_state_dict_pre_hook(_reshard_before_save)
+        module.register_state_dict_pre_hook(_swap_in_sharded)
         module.register_state_dict_post_hook(_swap_back)
         module.register_load_state_dict_pre_hook(_reshard_before_load)
     locations[attr] = fsdp_param
 
 
 def _computing(group) -> bool:
-    """Whether the group's modules are inside a forward or backward right now."""
+    """Whether the group's modules are inside a forward or a running backward right now."""
     state = group.modules[0].__dict__.get("_fsdp_state") if group.modules else None
-    return state is not None and state.training_state is not TrainingState.IDLE
+    return state is not None and state.in_compute()
 
 
 def _groups_of(module: nn.Module) -> list:
@@ -44,11 +44,8 @@ def _groups_of(module: nn.Module) -> list:
     return groups
 
 
-def _reshard_before_save(module, prefix, keep_vars) -> None:
+def _swap_in_sharded(module, prefix, keep_vars) -> None:
     swapped = []
-    for group in _groups_of(module):
-        if group.registered_unsharded and not _computing(group):
-            group.reshard()
     for attr, fp in module.__dict__["_fsdp_locations"].items():
         current = module._parameters.get(attr)
         if current is not None and current is not fp.sharded_param:

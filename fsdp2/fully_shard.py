@@ -78,7 +78,8 @@ def fully_shard(
         mp_policy: dtypes for compute, reduction and outputs (ours or PyTorch's).
         offload_policy: ``CPUOffloadPolicy()`` keeps sharded state in host memory.
         ignored_params: parameters left alone (not sharded, no gradient reduction).
-        check_freed: (ours, not PyTorch's; read from the root call) check mode: any torch
+        check_freed: (ours, not PyTorch's; on for a whole root when any of its calls
+            asks) check mode: any torch
             operation on an unsharded parameter while its memory is freed (a tensor kept
             from forward, read after its module resharded) raises instead of reading freed
             memory. A debugging aid: it costs a Python check per operation on unsharded

@@ -280,3 +280,24 @@ def _full_state_dict_options():
 
 def test_full_state_dicts_gather_to_rank0_and_broadcast_back():
     run_on_ranks(2, _full_state_dict_options)
+
+
+def _optimizer_state_after_an_evaluation():
+    """After an evaluation forward the root registers its gathered parameters (as PyTorch's
+    FSDP2 does); the optimizer's state dict still names every parameter it holds, and loads
+    back into the same parameters."""
+    model, index, count = _build("fsdp2", seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    _step(model, opt, 0, index, count)
+    with torch.no_grad():
+        model(_batch(1)[0][index::count])
+    assert not all(isinstance(p, DTensor) for p in model.parameters())  # gathered, kept
+    osd = dcp.get_optimizer_state_dict(model, opt)
+    assert set(osd["state"]) == set(dict(model.state_dict()))
+    assert all(isinstance(v["exp_avg"], DTensor) for v in osd["state"].values())
+    dcp.set_optimizer_state_dict(model, opt, osd)
+    _step(model, opt, 1, index, count)
+
+
+def test_optimizer_state_dict_after_an_evaluation_forward():
+    run_on_ranks(2, _optimizer_state_after_an_evaluation)

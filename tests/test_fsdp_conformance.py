@@ -520,6 +520,19 @@ def _next_iteration_after_exception(d: Difference) -> bool:
     )
 
 
+def _kept_through_a_save(d: Difference) -> bool:
+    """``reshard_after_forward=False`` keeps a group gathered after its forward; PyTorch's
+    ``state_dict()`` pre-hook reshards it, ours hands out the shards and keeps it, until the
+    group is resharded or gathers again."""
+    return (
+        d.raf is False
+        and _is_param_entry(d)
+        and _unsharded(d.ours)
+        and _sharded(d.theirs, d.ws)
+        and _same_meta(d)
+    )
+
+
 def _gradient_in_flight(d: Difference) -> bool:
     """Mid-backward, a group whose post-backward ran: PyTorch (a blocking reduce-scatter on
     gloo) shows its sharded gradient already; ours shows it once the reduction, which
@@ -567,6 +580,12 @@ ALLOWED = [
         "not hook its post-backward: until the end of that backward it keeps its gathered "
         "parameters and unreduced gradients; ours resets the iteration at the next forward",
         _next_iteration_after_exception,
+    ),
+    Allowed(
+        "state_dict() does not reshard",
+        "saving swaps the shards in for the save only; PyTorch's pre-hook reshards every "
+        "kept group, so a save on some ranks only would put their collectives out of step",
+        _kept_through_a_save,
     ),
     Allowed(
         "a sharded gradient appears when its reduction completes",

@@ -461,6 +461,62 @@ def _kept_weight_reads(mapped: bool, keep: str):
             assert mine or (not others and not row.any()), (r, others)
 
 
+class _TPBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        return x + self.lin(x).sum(-1, keepdim=True)  # the local column block, summed
+
+
+def _kept_tp_local_reads():
+    """Under tensor parallelism the unsharded parameter is a DTensor; ``to_local()`` of a
+    frozen one hands out its local tensor itself (no new reference to the parameter, no new
+    tensor over the storage): kept, it must still read zeros or its own values."""
+    from dtensor.parallel import ColwiseParallel, parallelize_module
+
+    wants, original = _host_memory.wants_mapping, C.gather_blocks
+    _host_memory.wants_mapping = lambda nbytes, device: torch.device(device).type == "cpu"
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    kept, reads = [], []
+
+    def gather_blocks(pieces, *args, **kw):
+        ptr = kept[0].untyped_storage().data_ptr() if kept else None
+        if any(blocks.untyped_storage().data_ptr() == ptr for _, blocks, _ in pieces):
+            reads.append(kept[0].clone())
+        return original(pieces, *args, **kw)
+
+    C.gather_blocks = gather_blocks
+    try:
+        model = nn.Sequential(*[_TPBlock() for _ in range(3)])
+        for i, block in enumerate(model):
+            with torch.no_grad():
+                block.lin.weight.fill_(float(i + 1))  # block i's weight is all i + 1
+            block.lin.weight.requires_grad_(False)  # a frozen base
+            parallelize_module(block, mesh["tp"], {"lin": ColwiseParallel()})
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        model[2].lin.register_forward_hook(  # inside block 2's forward: gathered
+            lambda m, i, o: kept.append(m.weight.to_local()) if not kept else None
+        )
+        x = torch.randn(4, 16, requires_grad=True)
+        model(x).sum().backward()
+        model._fsdp.ctx.comm.pages.keep_bytes = 1 << 30  # moves certain (see above)
+        for _ in range(2):
+            model(x).sum().backward()
+    finally:
+        C.gather_blocks = original
+        _host_memory.wants_mapping = wants
+    assert reads
+    for read in reads:
+        assert set(read.unique().tolist()) <= {0.0, 3.0}, read.unique()
+
+
+def test_a_kept_tensor_parallel_local_never_reads_another_parameter():
+    run_on_ranks(4, _on_route, route="direct", target=_kept_tp_local_reads)
+
+
 @pytest.mark.parametrize("keep", ["param", "view"])
 @pytest.mark.parametrize("mapped", [False, True], ids=["resize", "mapped"])
 def test_a_kept_weight_never_reads_another_parameter(mapped, keep):

@@ -144,3 +144,23 @@ def _mixed(raf):
 def test_groups_of_three_dtypes_train_like_one_process(raf, route):
     # reshard_after_forward=2 at 4 ranks keeps byte rows after forward and re-gathers them
     run_on_ranks(4 if raf == 2 else 3, _on_route, route=route, target=_mixed, raf=raf)
+
+
+def _complex_and_real():
+    """complex128 (16-byte items) beside float32 in one group: every byte slot starts where
+    complex128 may be viewed; the gathered values are the originals."""
+    torch.manual_seed(0)
+    m = torch.nn.Module()
+    m.real = torch.nn.Parameter(torch.randn(5, 3))
+    m.cplx = torch.nn.Parameter(torch.randn(3, 2, dtype=torch.complex128))
+    m.low = torch.nn.Parameter(torch.randn(7).to(torch.bfloat16))
+    originals = {n: p.detach().clone() for n, p in m.named_parameters()}
+    fully_shard(m)
+    m.unshard()
+    for name, value in originals.items():
+        assert torch.equal(getattr(m, name).detach(), value), name
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_complex_and_real_parameters_in_one_group(route):
+    run_on_ranks(2, _on_route, route=route, target=_complex_and_real)

@@ -126,9 +126,10 @@ def _unshard_reshard():
     block.reshard()
     assert not fp.is_unsharded_allocated and isinstance(block.attn.qkv.weight, DTensor)
     block.unshard()
-    # state_dict() reshards first, as PyTorch's pre-hook does, and gives the shards
+    # state_dict() gives the shards and changes nothing else (PyTorch's pre-hook reshards)
     assert all(isinstance(v, DTensor) for v in model.state_dict().values())
-    assert not fp.is_unsharded_allocated and isinstance(block.attn.qkv.weight, DTensor)
+    assert fp.is_unsharded_allocated and block.attn.qkv.weight is fp.unsharded_param
+    block.reshard()
     model.unshard()
     for b in model.blocks:
         b.unshard()
@@ -203,15 +204,33 @@ def test_reshard_after_backward_false_keeps_parameters():
     run_on_ranks(2, _keep_unsharded)
 
 
-def _kept_across_a_step(how: str):
-    """Gathered parameters kept across an optimizer step (a no_grad forward between backward
-    and step, or reshard_after_backward=False) are stale: the next forward gathers again
-    and the run equals one process ([Note: stale gathered copies])."""
+class _DataSGD(torch.optim.Optimizer):
+    """An older optimizer's habit: writes through ``p.data`` (a tensor whose version counter
+    is not the parameter's)."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad.data, alpha=-group["lr"])
+
+
+def _kept_across_a_step(how: str, raf=None):
+    """Gathered parameters (or the rows reshard_after_forward=k keeps) kept across an
+    optimizer step - a no_grad forward between backward and step, or
+    reshard_after_backward=False - are stale: the next forward gathers again and the run
+    equals one process ([Note: stale gathered copies]), whichever way the step writes."""
     cfg = _cfg()
     torch.manual_seed(0)
     ref = GPT(cfg)
-    model = _sharded(cfg)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+    model = _sharded(cfg, reshard_after_forward=raf)
+    if how == "data_writes":
+        opts = [_DataSGD(m.parameters(), lr=0.5) for m in (ref, model)]
+    else:
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
     if how == "keep_after_backward":
         model.set_reshard_after_backward(False)
     ws, rank = dist.get_world_size(), dist.get_rank()
@@ -222,7 +241,7 @@ def _kept_across_a_step(how: str):
         rows = slice(2 * rank, 2 * rank + 2)
         gpt_loss(ref, x, y).backward()
         gpt_loss(model, x[rows], y[rows]).backward()
-        if how == "no_grad_forward":
+        if how in ("no_grad_forward", "data_writes"):
             with torch.no_grad():
                 model(x[rows])  # the root keeps its gathered (pre-step) parameters
         for opt in opts:
@@ -235,9 +254,18 @@ def _kept_across_a_step(how: str):
         torch.testing.assert_close(full, q.detach(), rtol=1e-5, atol=2e-6, msg=name)
 
 
-@pytest.mark.parametrize("how", ["no_grad_forward", "keep_after_backward"])
-def test_parameters_kept_across_an_optimizer_step_are_gathered_again(how):
-    run_on_ranks(2, _kept_across_a_step, how=how)
+@pytest.mark.parametrize(
+    "how,raf,ws",
+    [
+        ("no_grad_forward", None, 2),
+        ("keep_after_backward", None, 2),
+        ("data_writes", None, 2),
+        ("no_grad_forward", 2, 4),  # the rows reshard_after_forward=2 keeps
+    ],
+    ids=["no_grad_forward", "keep_after_backward", "data_writes", "kept_rows"],
+)
+def test_parameters_kept_across_an_optimizer_step_are_gathered_again(how, raf, ws):
+    run_on_ranks(ws, _kept_across_a_step, how=how, raf=raf)
 
 
 def _optimizer_on_unsharded():

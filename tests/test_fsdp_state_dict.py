@@ -2,9 +2,9 @@
 at rest, after unshard(), between forward and backward (the root keeps its gathered
 parameters), after a backward that keeps them (reshard_after_backward=False), and from inside
 a forward. named_parameters() follows PyTorch's FSDP2: the gathered (here bf16) parameters
-while they are kept, and saving reshards first as PyTorch's state-dict pre-hook does (except
-inside a forward, where the shards are swapped in for the save only). Loading drops any
-gathered copy, so the next forward computes with the loaded values."""
+while they are kept; saving swaps the shards in for the save only, so it changes nothing
+else (PyTorch's pre-hook reshards: a deliberate difference, docs/fsdp2.md). Loading drops
+any gathered copy, so the next forward computes with the loaded values."""
 
 from __future__ import annotations
 
@@ -37,14 +37,15 @@ def _params(model) -> dict:
 
 
 def _check(model, expected: dict, where: str, gathered: set) -> None:
-    """``gathered``: prefixes of the modules whose bf16 gathered parameters are registered
-    before the save; state_dict() then reshards them and everything shows its shard."""
-    for name, (is_dt, dtype) in _params(model).items():
+    """``gathered``: prefixes of the modules whose bf16 gathered parameters are registered;
+    state_dict() gives the shards and leaves them registered (and their memory kept)."""
+    before = _params(model)
+    for name, (is_dt, dtype) in before.items():
         kept = any(name.startswith(g) for g in gathered) if gathered else False
         want = (False, torch.bfloat16) if kept else (True, torch.float32)
         assert (is_dt, dtype) == want, (where, name, is_dt, dtype)
     _check_sd(model.state_dict(), expected, where)
-    assert all(is_dt for is_dt, _ in _params(model).values()), (where, _params(model))
+    assert _params(model) == before, where
 
 
 ROOT = ("tok_emb.", "pos_emb.", "ln_f.", "head.")
@@ -62,7 +63,7 @@ def _state_dict_in_every_state():
     x, y = _batch()
     loss = gpt_loss(model, x, y)  # the root keeps its bf16 parameters until backward
     _check(model, expected, "between forward and backward", set(ROOT))
-    loss.backward()  # the save resharded the root: backward gathers it again
+    loss.backward()
     opt.step()
     opt.zero_grad()
     expected = _snapshot(model)
@@ -135,3 +136,49 @@ def _load_and_convert_drop_kept_rows():
 
 def test_load_and_dtype_changes_drop_rows_kept_after_forward():
     run_on_ranks(4, _load_and_convert_drop_kept_rows)
+
+
+def _state_dict_on_one_rank_only():
+    """rank 0 alone calls state_dict() (a log line, a rank-0 save) while the root keeps its
+    gathered parameters: nothing changes on rank 0 that the others do not do, so the next
+    step's collectives stay in step (a resharding pre-hook, as PyTorch's, would make rank 0
+    gather again alone: a collective mismatch)."""
+    import torch.distributed as dist
+
+    model = _sharded()
+    x, y = _batch()
+    gpt_loss(model, x, y).backward()
+    with torch.no_grad():
+        model(x)  # the root keeps its gathered parameters
+    if dist.get_rank() == 0:
+        assert all(isinstance(v, DTensor) for v in model.state_dict().values())
+    gpt_loss(model, x, y).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_state_dict_on_one_rank_only_keeps_ranks_in_step():
+    run_on_ranks(2, _state_dict_on_one_rank_only)
+
+
+def _load_after_an_exception_in_backward():
+    src = _sharded(seed=1)
+    model = _sharded()
+    x, y = _batch()
+    loss = gpt_loss(model, x, y)
+
+    def fail(grad):
+        raise RuntimeError("boom in backward")
+
+    model.blocks[0].register_full_backward_hook(lambda *a: fail(None))
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        assert "boom" in str(e)
+    # the failed backward left its groups mid-backward; that is not "inside a backward"
+    model.load_state_dict(src.state_dict())
+    for (name, p), q in zip(model.named_parameters(), src.parameters(), strict=True):
+        assert torch.equal(p.full_tensor(), q.full_tensor()), name
+
+
+def test_load_state_dict_after_an_exception_in_backward():
+    run_on_ranks(2, _load_after_an_exception_in_backward)

@@ -112,7 +112,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
     _ensure_state(optimizer)
     paths = _param_paths(model, optimizer)
     index = {p: i for i, p in paths.items()}
-    params = dict(model.named_parameters())
+    params = _parameters_at_rest(model)
     if options.broadcast_from_rank0:
         current = get_optimizer_state_dict(model, optimizer)
         optim_state_dict = _broadcast_optim(current, optim_state_dict)
@@ -133,9 +133,26 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
+def _parameters_at_rest(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Path -> parameter, as the optimizer holds them. A sharded module may register
+    gathered copies for a while (after ``unshard()``, or a forward that keeps them), and
+    ``named_parameters()`` then lists those; ``state_dict(keep_vars=True)`` gives the
+    parameters at rest (fully_shard's state-dict hooks swap the shards in), so its
+    parameters win. No tensor is copied."""
+    params = dict(model.named_parameters())
+    seen = {id(p) for p in params.values()}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if isinstance(t, nn.Parameter) and (name in params or id(t) not in seen):
+            params[name] = t
+            seen.add(id(t))
+    return params
+
+
 def _param_paths(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
     """Optimizer position -> parameter path, in ``optimizer.state_dict()``'s numbering."""
-    path_of = {id(p): name for name, p in model.named_parameters()}
+    path_of: dict[int, str] = {}
+    for name, p in _parameters_at_rest(model).items():
+        path_of.setdefault(id(p), name)
     paths, i = {}, 0
     for group in optimizer.param_groups:
         for p in group["params"]:
