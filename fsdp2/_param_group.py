@@ -13,7 +13,7 @@ FSDP2: once an all-gather completes they register the unsharded parameters, and 
 registers the sharded DTensors again. So after ``unshard()``, after a forward that keeps the
 memory (``reshard_after_forward=False``) and during a group's backward, a module's attributes
 and ``named_parameters()`` are the unsharded tensors; ``SHARDED_POST_FORWARD`` registers the
-sharded DTensors. ``state_dict()`` reshards first (``_state_dict.py``).
+sharded DTensors. ``state_dict()`` swaps the shards in for the save (``_state_dict.py``).
 
 [Note: stale gathered copies] Gathered parameters, or the rows ``reshard_after_forward=k``
 keeps, may outlive an optimizer step (a forward that no backward follows - under no_grad,
