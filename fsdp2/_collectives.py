@@ -199,7 +199,7 @@ class AllGather:
             params = self._params
             rows = out.view(params[0].mesh_info.shard_size, -1)
             for p in params:
-                p.back_storage()
+                p.back_storage(filled_now=True)
             with _versions_preserved(params):
                 self._layout.copy_out(rows, params)
 

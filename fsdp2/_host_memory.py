@@ -120,6 +120,10 @@ class HostRegion:
         self._map.madvise(mmap.MADV_DONTNEED, self._offset, self._span)
         self.resident = False
 
+    def zero(self) -> None:
+        """Write zeros over the region (its pages stay resident)."""
+        ctypes.memset(self._address, 0, self.nbytes)
+
     def touch(self) -> None:
         """Mark the region in use again (its pages come back as they are written)."""
         self.resident = True
@@ -194,25 +198,23 @@ class PageBank:
         while sum(r._span for r in self._held.values()) > self.keep_bytes:
             self._held.popitem(last=False)[1].drop()  # the oldest
 
-    def acquire(self, region: HostRegion, *, take_pages: bool = True) -> None:
-        """Ready ``region`` for writing: its own held pages, else (``take_pages``) a held
-        region's pages, else fresh zero pages as it is written. In that last case a held
-        region of the same span is dropped at once: the fresh pages take its place, so
-        resident memory stays what it would have been had the pages moved."""
+    def acquire(self, region: HostRegion) -> bool:
+        """Ready ``region`` for writing: its own held pages, else a held region's pages of
+        the same span, else fresh zero pages as it is written. Returns whether it took
+        another region's pages (it then holds that region's old bytes until written)."""
         if region.resident:
-            return
+            return False
+        moved = False
         if self._held.pop(id(region), None) is None:  # its own pages are gone
             # The most recently freed first: older ones are the first to go over budget.
             for key, donor in reversed(self._held.items()):
-                if not take_pages and donor._span == region._span:
-                    del self._held[key]
-                    donor.drop()
-                    break
-                if take_pages and region.take_pages_of(donor):
+                if region.take_pages_of(donor):
                     del self._held[key]
                     self.moves += 1
+                    moved = True
                     break
         region.touch()
+        return moved
 
     def clear(self) -> None:
         while self._held:

@@ -362,13 +362,17 @@ class FSDPParam:
             return True
         return any(now > own for now, own in zip(self._references(), self._own_refs))
 
-    def back_storage(self) -> None:
-        """Give the unsharded buffer memory right before an all-gather writes into it. A
-        buffer something else still references never receives another parameter's pages
-        or bytes ([Note: kept unsharded parameters]). On accelerators the caching
-        allocator's memory is not checked (as in PyTorch; the check mode catches such reads)."""
-        on_host = self.storage.tensor.device.type == "cpu"
-        self.storage.back(held_elsewhere=on_host and self.held_elsewhere())
+    def back_storage(self, *, filled_now: bool = False) -> None:
+        """Give the unsharded buffer memory right before an all-gather writes into it.
+
+        ``filled_now``: the caller overwrites the whole buffer at once, on this thread (the
+        staged route's copy-out), so no other code can read it in between. Otherwise (the
+        direct route: peers' messages land later, while forward or backward code runs) a
+        buffer something else still references never shows another parameter's bytes
+        ([Note: kept unsharded parameters]). On accelerators the caching allocator's memory
+        is not checked (as in PyTorch; the check mode catches such reads)."""
+        exposed = not filled_now and self.storage.tensor.device.type == "cpu"
+        self.storage.back(held_elsewhere=exposed and self.held_elsewhere())
 
     def free_unsharded(self) -> None:
         if self.storage is not None:

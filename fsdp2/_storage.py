@@ -101,7 +101,10 @@ class MappedStorage(UnshardedStorage):
         self._bank = bank
 
     def back(self, *, held_elsewhere: bool = False) -> None:
-        self._bank.acquire(self.region, take_pages=not held_elsewhere)
+        if self._bank.acquire(self.region) and held_elsewhere:
+            # another parameter's pages, still holding its bytes: clear them (cheaper than
+            # faulting fresh pages in, which the kernel zeroes too)
+            self.region.zero()
 
     def free(self) -> None:
         self._bank.release(self.region)

@@ -77,27 +77,28 @@ def test_page_bank_moves_freed_pages_under_the_next_region():
 
 
 @linux_only
-def test_page_bank_gives_a_region_something_still_reads_fresh_pages_only():
+def test_a_buffer_something_still_reads_gets_pages_but_not_their_bytes():
+    from fsdp2._storage import MappedStorage
+
     size = 4 << 20
     bank = _host_memory.PageBank()
     bank.keep_bytes = size
-    donor, kept = HostRegion(size), HostRegion(size)
-    donor.tensor(torch.float32, (size // 4,)).fill_(3.0)
-    view = kept.tensor(torch.float32, (size // 4,))
-    kept.drop()
-    other = HostRegion(2 * size)  # another span: stays held
-    other.tensor(torch.uint8, (1,)).fill_(1)
-    bank.keep_bytes = 3 * size
-    bank.release(other)
-    bank.release(donor)
+    donor = MappedStorage((size // 4,), torch.float32, bank)
+    kept = MappedStorage((size // 4,), torch.float32, bank)
+    donor.tensor.fill_(3.0)
+    view = kept.tensor  # a tensor kept from forward may read the buffer at any time
+    kept.region.drop()
+    donor.free()  # its pages wait in the bank
     before = _resident_bytes()
-    bank.acquire(kept, take_pages=False)  # a tensor kept from forward may read it now
-    assert kept.resident and view.abs().sum().item() == 0.0  # zeros, not the donor's 3.0
-    # the donor of the same span was dropped in its place: resident memory does not grow
-    assert list(bank._held.values()) == [other] and not donor.resident
-    assert before - _resident_bytes() >= size * 0.9
-    assert donor.tensor(torch.float32, (1,)).item() == 0.0
-    assert bank.moves == 0
+    kept.back(held_elsewhere=True)
+    assert bank.moves == 1 and not bank._held  # the donor's pages moved under it ...
+    assert view.abs().sum().item() == 0.0  # ... holding zeros, not the donor's 3.0
+    assert _resident_bytes() - before < size // 4  # no fresh pages faulted in
+    donor.tensor.fill_(5.0)
+    donor.free()
+    kept.free()  # own pages held again: taken back as they are, nothing to clear
+    kept.back(held_elsewhere=True)
+    assert view.abs().sum().item() == 0.0 and bank.moves == 1
     bank.clear()
 
 
@@ -195,9 +196,9 @@ def _regions_dropped_after_step():
     pages.keep_bytes = 1 << 30
     _train(model, _batches(2, steps=2), local=True)
     # in the second forward block 2 (prefetched by block 1, after block 0 resharded) took
-    # block 0's pages; none move in backward, where
-    # autograd's saved views reference every gathered block ([Note: kept unsharded
-    # parameters]), nor in the first forward (every mapping starts with pages of its own)
+    # block 0's pages; in backward, where autograd's saved views reference every gathered
+    # block, pages move too and are cleared first ([Note: kept unsharded parameters]); the
+    # first forward moves none (every mapping starts with pages of its own)
     assert pages.moves > 0
     states = {id(s): s for m in model.modules() if (s := m.__dict__.get("_fsdp_state"))}
     params = [p for s in states.values() if s.group is not None for p in s.group.params]
