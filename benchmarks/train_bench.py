@@ -170,19 +170,28 @@ def worker(args) -> None:
     autocast = torch.autocast(
         "cuda", torch.bfloat16, enabled=cuda and args.bf16 and arm == "single"
     )
-    times = []
+
+    def mark() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    times, phases = [], {"forward": [], "backward": [], "optimizer": []}
     for _ in range(args.warmup + args.steps):
         if arm != "single":
             dist.barrier()
-        t0 = time.perf_counter()
+        t0 = mark()
         with autocast:
             loss = gpt_loss(model, x, y)
+        t1 = mark()
         loss.backward()
+        t2 = mark()
         opt.step()
         opt.zero_grad()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        t3 = mark()
+        times.append(t3 - t0)
+        for name, span in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
+            phases[name].append(span)
     gpu_peak = torch.cuda.max_memory_allocated() if cuda else 0
     # Training's peak RSS, read before the instrumented step below (MemTracker's own hooks
     # and bookkeeping are not part of training).
@@ -203,6 +212,7 @@ def worker(args) -> None:
         if flops
         else None,
         "steps_s": times[args.warmup :],
+        "phases_s": {k: statistics.median(v[args.warmup :]) for k, v in phases.items()},
         "peak_rss_mb": peak_rss,
         "state_mb": local_bytes(model, opt) / 2**20,
         "tracked_peak_mb": tracked / 2**20,
@@ -230,6 +240,28 @@ def run_arm(arm: str, ws: int, args, progress=None) -> dict:
 
 def _ratio(r: dict, other: dict | None, key: str) -> str:
     return f"{r[key] / other[key]:.2f}x" if other else "-"
+
+
+def _scaling_table(results: list, find):
+    """Where the time goes, against perfect scaling: the floor at ``ws`` ranks is the one-process
+    step divided by ``ws`` (each rank does 1/ws of the work); the phases are medians of the same
+    steps (forward includes the loss; optimizer includes ``zero_grad``)."""
+    from rich.table import Table
+
+    single = find("single", 1)
+    table = Table(title="scaling: step vs the perfect-scaling floor (one-process step / ws)")
+    for col in ("arm", "ws", "step (s)", "floor (s)", "vs floor", "forward", "backward",
+                "optimizer"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for r in results:
+        floor = single["step_s"] / r["world_size"] if single else None
+        ph = r.get("phases_s", {})
+        table.add_row(
+            r["arm"], str(r["world_size"]), f"{r['step_s']:.3f}",
+            f"{floor:.3f}" if floor else "-", f"{r['step_s'] / floor:.2f}x" if floor else "-",
+            *(f"{ph[k]:.3f}" if k in ph else "-" for k in ("forward", "backward", "optimizer")),
+        )  # fmt: skip
+    return table
 
 
 def main() -> None:
@@ -284,6 +316,8 @@ def main() -> None:
         )  # fmt: skip
     console.print(table)
     console.print("(at ws=1 the 'vs DDP' column compares with the plain single-process model)")
+    if not cuda:
+        console.print(_scaling_table(results, find))
     out = ROOT / "bench_results" / ("train_cuda.json" if cuda else "train.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
