@@ -41,6 +41,16 @@ aten = torch.ops.aten
 _CACHE: dict = {}
 _CACHE_LIMIT = 8192
 
+
+def clear_cache() -> None:
+    """Forget every cached sharding decision (the next op of each kind propagates again).
+
+    Example:
+        >>> clear_cache()   # benchmarks time a cache miss this way
+    """
+    _CACHE.clear()
+
+
 # Ops handled entirely by a function: fn(func, args, kwargs) -> result.
 CUSTOM: dict = {}
 
