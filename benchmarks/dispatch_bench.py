@@ -1,13 +1,14 @@
 """Eager dispatch overhead: our DTensor against torch.distributed.tensor, per op, in one run.
 
-    python benchmarks/dispatch_bench.py               # default: 15 rounds of 200 calls per op
-    python benchmarks/dispatch_bench.py --rounds 5    # a quicker look
+    python benchmarks/dispatch_bench.py                # default: 151 rounds of 20 calls per op
+    python benchmarks/dispatch_bench.py --rounds 31    # a quicker look
 
 One process, a 1-rank gloo world, a 1-rank mesh of each library, and 8x8 fp32 tensors, so
 the local op costs next to nothing and what is timed is the work around it: argument
 handling, the sharding cache, wrapping the outputs. For every op the two libraries run
-alternately (who goes first alternates too), each round timing a block of calls; the table
-gives the median microseconds per call over the rounds, the ratio ours / torch's, and the
+alternately (who goes first alternates too), each round timing a short block of calls (short,
+so that a block another process preempted is an outlier the median ignores); the table gives
+the median microseconds per call over the rounds, the ratio ours / torch's, and the
 spread of the per-round ratios (25th-75th percentile). The geometric mean is over the ops.
 
 The second table is a cache miss: both libraries' sharding caches are cleared before every
@@ -155,9 +156,9 @@ def _table(title: str, summary: dict):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15, help="timed blocks per op and library")
-    parser.add_argument("--calls", type=int, default=200, help="calls per timed block")
-    parser.add_argument("--miss-calls", type=int, default=60, help="timed cache-miss calls")
+    parser.add_argument("--rounds", type=int, default=151, help="timed blocks per op and library")
+    parser.add_argument("--calls", type=int, default=20, help="calls per timed block")
+    parser.add_argument("--miss-calls", type=int, default=101, help="timed cache-miss calls")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -600,7 +600,11 @@ def _run_hit(hit: _Hit, args, kwargs):
         return target if hit.returns else None
     if hit.seq is None:
         wrapped = _new_dtensor(DTensor, out, hit.outs, False)
-        if hit.view:
+        # record_view links nothing to a base that is no view when the output aliases it
+        if hit.view and (
+            args[0]._view_of is not None
+            or not _shares_memory(wrapped._local_tensor, args[0]._local_tensor)
+        ):
             _inplace.record_view(hit.func, args, lambda: kwargs, args[0], [wrapped])
         return wrapped
     wrapped = hit.seq(
@@ -610,6 +614,9 @@ def _run_hit(hit: _Hit, args, kwargs):
     if hit.view:
         _inplace.record_view(hit.func, args, lambda: kwargs, args[0], list(wrapped))
     return wrapped
+
+
+_shares_memory = torch._C._is_alias_of  # as _inplace._shares_memory
 
 
 # --------------------------------------------------------------------------- custom handlers
