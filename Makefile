@@ -33,6 +33,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/tp_bench.py
 	$(PY) benchmarks/ckpt_bench.py
 	$(PY) benchmarks/compile_bench.py
+	$(PY) benchmarks/dispatch_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -30,6 +30,7 @@ from dtensor._spec import DTensorSpec, TensorMeta
 from dtensor.placement import Replicate, _StridedShard, format_placements
 from dtensor.tensor import (
     DTensor,
+    _new_dtensor,
     is_torch_dtensor,
     redistribute_dtensor,
     torch_dtensor_message,
@@ -41,6 +42,17 @@ aten = torch.ops.aten
 _CACHE: dict = {}
 _CACHE_LIMIT = 8192
 
+
+def clear_cache() -> None:
+    """Forget every cached sharding decision (the next op of each kind propagates again).
+
+    Example:
+        >>> clear_cache()   # benchmarks time a cache miss this way
+    """
+    _CACHE.clear()
+    _FAST.clear()
+
+
 # Ops handled entirely by a function: fn(func, args, kwargs) -> result.
 CUSTOM: dict = {}
 
@@ -49,15 +61,27 @@ def custom(*ops):
     def deco(fn):
         for op in ops:
             CUSTOM[op] = fn
+        _FACTS.clear()  # the handler replaces whatever dispatch had decided for these ops
         return fn
 
     return deco
 
 
 def dispatch(func, args, kwargs):
-    handler = CUSTOM.get(func)
-    if handler is not None:
-        return handler(func, args, kwargs)
+    facts = _FACTS.get(id(func))
+    if facts is None:
+        facts = _op_facts(func)
+    if facts.custom is not None:
+        return facts.custom(func, args, kwargs)
+    if facts.fast:
+        key = _fast_key(func, args, kwargs)
+        if key is not None:
+            try:
+                hit = _FAST.get(key)
+            except TypeError:  # an unhashable argument (a symbolic size under tracing)
+                hit = None
+            if hit is not None:
+                return _run_hit(hit, args, kwargs)
     return dispatch_by_rule(func, args, kwargs)
 
 
@@ -84,7 +108,10 @@ def dispatch_by_rule(func, args, kwargs):
                 _CACHE.clear()
             _CACHE[key] = cached
     sharding, out_meta = cached
-    return _run(func, args, leaves, treespec, sharding, out_meta)
+    out = _run(func, args, leaves, treespec, sharding, out_meta)
+    if key is not None:
+        _remember_hit(func, args, kwargs, leaves, sharding, out)
+    return out
 
 
 class _FlatSpec(tuple):
@@ -253,7 +280,7 @@ def _wrap(out, sharding: OutputSharding, out_meta, leaves):
                 tuple(sharding.output_placements[j]),
                 TensorMeta(meta.shape, tuple(meta.stride()), meta.dtype),
             )
-            item = DTensor(item, dspec, requires_grad=False)
+            item = _new_dtensor(DTensor, item, dspec, False)
         wrapped.append(item)
     return tree_unflatten(wrapped, spec)
 
@@ -392,7 +419,7 @@ def _hashable(x):
         return ("T", tuple(x.shape), x.dtype, x.device.type)
     if isinstance(x, (list, tuple)):
         return tuple(_hashable(v) for v in x)
-    return x
+    return (type(x), x)  # 2 == 2.0 == True as keys, but x * 2.0 of an int tensor is float
 
 
 def _cache_key(func, leaves, treespec):
@@ -416,6 +443,180 @@ def _no_rule_message(func, leaves, *, has_rule: bool = False) -> str:
         "the op on plain tensors, redistribute the inputs to Replicate(), or add a rule in "
         "dtensor/_ops."
     )
+
+
+# --------------------------------------------------------------------------- the fast path
+# [Note: the dispatch fast path] The pipeline above costs tens of microseconds of Python per
+# op even when its cache answers: flattening, input checks, the cache key of every leaf,
+# redistribution planning, wrapping through ``DTensor.__new__``. Once an op has run with
+# some input specs and non-tensor arguments, everything it needs next time with the same
+# ones is known: which arguments move to which placements (usually none), the function to
+# run on the local tensors, and each output's spec. ``_FAST`` keeps that per call signature,
+# and a hit only swaps the DTensors for their local tensors, runs, and wraps the outputs in
+# the very spec objects of the first call (so later keys compare by identity and their
+# hashes are already computed). Only ops that take their tensors as top-level DTensors get
+# an entry: plain tensors mixed in, tensors inside lists, strided shards, custom handlers and
+# ops without a rule keep to the pipeline, which checks and converts them on every call. Every
+# check of the pipeline depends only on what the key holds, so a call that hits would have
+# passed them; the first call, which made the entry, did.
+
+_FAST: dict = {}
+_FAST_LIMIT = 8192
+_FACTS: dict = {}  # id(op) -> _OpFacts (the entry keeps the op alive, so the id stays its own)
+
+
+class _OpFacts:
+    """What dispatch needs about one op, looked up once."""
+
+    __slots__ = ("func", "custom", "fast")
+
+    def __init__(self, func):
+        self.func = func
+        self.custom = CUSTOM.get(func)
+        try:
+            shape_in_place = _inplace.out_of_place_view(func) is not None
+        except NotImplementedError:
+            shape_in_place = True  # unsupported: the pipeline raises the error
+        self.fast = (
+            self.custom is None
+            and not shape_in_place
+            and not is_multi_tensor(func)
+            and func not in _inplace.INDEX_OPS
+        )
+
+
+def _op_facts(func) -> _OpFacts:
+    facts = _FACTS[id(func)] = _OpFacts(func)
+    return facts
+
+
+class _Hit:
+    """A cached call signature: see [Note: the dispatch fast path]."""
+
+    __slots__ = ("func", "run", "dtensors", "moves", "outs", "seq", "inplace", "returns", "view")
+
+
+def _fast_key(func, args, kwargs):
+    """The call signature of ``func(*args, **kwargs)``: op, the first DTensor's mesh object,
+    DTensor specs, non-tensor values and their types (``x * 2`` and ``x * 2.0`` differ in
+    dtype); None when the call has plain tensors, or tensors or containers inside a
+    container. Every id in it belongs to an object the entry keeps alive."""
+    parts = []
+    mesh = None
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if type(a) is not DTensor:
+                return None
+            spec = a._spec
+            if mesh is None:
+                # the outputs live on the first input's mesh, that object: an equal mesh
+                # sliced from another root is another mesh to fsdp2 and tensor parallelism
+                mesh = id(spec.mesh)
+            parts.append(spec)
+        elif isinstance(a, (list, tuple)):
+            for v in a:
+                if isinstance(v, (torch.Tensor, list, tuple, dict)):
+                    return None
+            parts.append((type(a), tuple(a), tuple(map(type, a))))
+        elif isinstance(a, dict):
+            return None
+        else:
+            parts.append((a, type(a)))
+    if not kwargs:
+        return (id(func), mesh, tuple(parts))
+    named = []
+    for k, v in kwargs.items():
+        if isinstance(v, (torch.Tensor, list, tuple, dict)):
+            return None
+        named.append((k, v, type(v)))
+    return (id(func), mesh, tuple(parts), tuple(named))
+
+
+def _remember_hit(func, args, kwargs, leaves, sharding: OutputSharding, out) -> None:
+    """After ``func`` ran through the pipeline: keep what a repeat of this call needs."""
+    facts = _FACTS.get(id(func))
+    if facts is None or not facts.fast:
+        return
+    key = _fast_key(func, args, kwargs)
+    if key is None or any(x._spec.has_strided for x in leaves if isinstance(x, DTensor)):
+        return
+    hit = _Hit()
+    hit.func = func
+    hit.run = sharding.local_fn or func
+    hit.dtensors = tuple(i for i, a in enumerate(args) if isinstance(a, DTensor))
+    # the k-th DTensor of args is the k-th DTensor leaf: none sits inside a container
+    leaf_of = [i for i, x in enumerate(leaves) if isinstance(x, DTensor)]
+    moves = []
+    for pos, leaf in zip(hit.dtensors, leaf_of, strict=True):
+        want = sharding.input_placements.get(leaf)
+        if want is not None and tuple(want) != args[pos].placements:
+            moves.append((pos, tuple(want)))
+    hit.moves = tuple(moves)
+    hit.inplace = _is_inplace(func)
+    hit.returns = bool(func._schema.returns)
+    hit.view = bool(hit.dtensors) and hit.dtensors[0] == 0 and _inplace.is_view_op(func)
+    hit.seq = None
+    if hit.inplace:
+        if not isinstance(args[0], DTensor):
+            return
+        hit.outs = None
+    elif isinstance(out, DTensor):
+        hit.outs = out._spec
+    elif type(out) in (list, tuple) and all(
+        isinstance(o, DTensor) or not isinstance(o, (torch.Tensor, list, tuple, dict)) for o in out
+    ):
+        hit.seq = type(out)
+        hit.outs = tuple(o._spec if isinstance(o, DTensor) else None for o in out)
+    else:
+        return
+    try:
+        if len(_FAST) > _FAST_LIMIT:
+            _FAST.clear()
+        _FAST[key] = hit
+    except TypeError:  # unhashable: no entry, the pipeline runs every time
+        pass
+
+
+def _run_hit(hit: _Hit, args, kwargs):
+    """``_run`` for a call whose signature ``hit`` has seen before."""
+    local = list(args)
+    if hit.moves:
+        moved = list(args)
+        for pos, want in hit.moves:
+            moved[pos] = redistribute_dtensor(args[pos], want)
+        for i in hit.dtensors:
+            local[i] = moved[i]._local()
+    else:
+        for i in hit.dtensors:
+            a = args[i]
+            local[i] = a._local_tensor if a._pending is None else a._local()
+    out = hit.run(*local, **kwargs)
+    if hit.inplace:
+        # as in _run: bump the version counter, carry a write through a gathered view back
+        torch.autograd.graph.increment_version(local[0])
+        target = args[0]
+        if target._view_of is not None:
+            _inplace.write_back(target)
+        return target if hit.returns else None
+    if hit.seq is None:
+        wrapped = _new_dtensor(DTensor, out, hit.outs, False)
+        # record_view links nothing to a base that is no view when the output aliases it
+        if hit.view and (
+            args[0]._view_of is not None
+            or not _shares_memory(wrapped._local_tensor, args[0]._local_tensor)
+        ):
+            _inplace.record_view(hit.func, args, lambda: kwargs, args[0], [wrapped])
+        return wrapped
+    wrapped = hit.seq(
+        _new_dtensor(DTensor, o, spec, False) if isinstance(o, torch.Tensor) else o
+        for o, spec in zip(out, hit.outs, strict=True)
+    )
+    if hit.view:
+        _inplace.record_view(hit.func, args, lambda: kwargs, args[0], list(wrapped))
+    return wrapped
+
+
+_shares_memory = torch._C._is_alias_of  # as _inplace._shares_memory
 
 
 # --------------------------------------------------------------------------- custom handlers

@@ -62,9 +62,46 @@ def _dispatch(func, args, kwargs):
     runs them, and everything they call, as plain Python (about a microsecond per call).
     ``__tensor_flatten__`` first finishes an ``async_op`` redistribution still in flight, so
     a graph never reads the local tensor from before the collective."""
-    from dtensor._dispatch import dispatch
+    global _dispatch_impl
+    if _dispatch_impl is None:
+        from dtensor._dispatch import dispatch
 
-    return dispatch(func, args, kwargs)
+        _dispatch_impl = dispatch
+    return _dispatch_impl(func, args, kwargs)
+
+
+_dispatch_impl = None  # dtensor._dispatch.dispatch, imported on the first op
+
+
+def _new_dtensor(cls, local_tensor: torch.Tensor, spec: DTensorSpec, requires_grad: bool):
+    """``DTensor(...)`` without the ``torch.compiler.disable`` wrapper around ``__new__``:
+    dispatch, already inside a disabled frame, wraps every op's outputs with it."""
+    if local_tensor.requires_grad and not requires_grad:
+        local_tensor = local_tensor.detach()
+    meta = spec.meta
+    r = torch.Tensor._make_wrapper_subclass(
+        cls,
+        meta.shape,
+        strides=meta.stride,
+        dtype=meta.dtype,
+        device=local_tensor.device,
+        layout=local_tensor.layout,
+        requires_grad=requires_grad,
+    )
+    # [Note: conjugate and negative views] A lazy conjugate (``x.conj()`` of a complex
+    # tensor; autograd's backward of ``mul`` takes one) or negation is a flag on the
+    # local tensor, and ops run inside __torch_dispatch__ with those flags' handlers
+    # switched off, so they would read the raw values. Set on the wrapper, the flags make
+    # the dispatcher resolve them before an op reaches us (PyTorch's DTensor does so).
+    if local_tensor.is_conj():
+        torch._C._set_conj(r, True)
+    if local_tensor.is_neg():
+        torch._C._set_neg(r, True)
+    r._local_tensor = local_tensor
+    r._spec = spec
+    r._pending = None
+    r._view_of = None  # see [Note: writes through gathered views] in _inplace.py
+    return r
 
 
 class DTensor(torch.Tensor):
@@ -86,31 +123,7 @@ class DTensor(torch.Tensor):
     @staticmethod
     @torch.compiler.disable  # [Note: DTensor under torch.compile]
     def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool):
-        if local_tensor.requires_grad and not requires_grad:
-            local_tensor = local_tensor.detach()
-        r = torch.Tensor._make_wrapper_subclass(
-            cls,
-            spec.meta.shape,
-            strides=spec.meta.stride,
-            dtype=spec.meta.dtype,
-            device=local_tensor.device,
-            layout=local_tensor.layout,
-            requires_grad=requires_grad,
-        )
-        # [Note: conjugate and negative views] A lazy conjugate (``x.conj()`` of a complex
-        # tensor; autograd's backward of ``mul`` takes one) or negation is a flag on the
-        # local tensor, and ops run inside __torch_dispatch__ with those flags' handlers
-        # switched off, so they would read the raw values. Set on the wrapper, the flags make
-        # the dispatcher resolve them before an op reaches us (PyTorch's DTensor does so).
-        if local_tensor.is_conj():
-            torch._C._set_conj(r, True)
-        if local_tensor.is_neg():
-            torch._C._set_neg(r, True)
-        r._local_tensor = local_tensor
-        r._spec = spec
-        r._pending = None
-        r._view_of = None  # see [Note: writes through gathered views] in _inplace.py
-        return r
+        return _new_dtensor(cls, local_tensor, spec, requires_grad)
 
     # torch functions go straight to aten; sharding happens in __torch_dispatch__
     __torch_function__ = torch._C._disabled_torch_function_impl

@@ -221,7 +221,7 @@ def _check_meta_to_device_keeps_no_global_tensor():
     rows = 3 if dist.get_rank() == 0 else 2
     local = torch.empty(rows, 4, device="meta")
     meta = DTensor.from_local(local, mesh, [Shard(0)], shape=(5, 4), stride=(4, 1))
-    _dispatch._CACHE.clear()
+    _dispatch.clear_cache()
     real = torch.empty_like(meta, device="cpu")  # what module.to_empty() calls
     assert real.to_local().device.type == "cpu" and real.shape == (5, 4)
     assert real.to_local().shape == (rows, 4)

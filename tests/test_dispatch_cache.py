@@ -1,0 +1,148 @@
+"""The dispatch fast path ([Note: the dispatch fast path] in dtensor/_dispatch.py): a repeated
+call propagates nothing, builds no spec, runs the pipeline not at all, and still does
+everything the pipeline would (redistribution, version counters, writes through views)."""
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from device_mesh import init_device_mesh
+from dtensor import DTensor, Replicate, Shard, _dispatch, distribute_tensor
+from dtensor._spec import DTensorSpec, TensorMeta
+from dtensor.debug import CommDebugMode
+from tests.harness import run_on_ranks
+
+
+@contextlib.contextmanager
+def _counting():
+    """Counts of sharding propagations, pipeline runs and spec/meta constructions."""
+    counts = {"propagate": 0, "pipeline": 0, "spec": 0, "meta": 0}
+    propagate, pipeline = _dispatch._propagate, _dispatch.dispatch_by_rule
+    spec_init, meta_init = DTensorSpec.__init__, TensorMeta.__init__
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    _dispatch._propagate = counted("propagate", propagate)
+    _dispatch.dispatch_by_rule = counted("pipeline", pipeline)
+    DTensorSpec.__init__ = counted("spec", spec_init)
+    TensorMeta.__init__ = counted("meta", meta_init)
+    try:
+        yield counts
+    finally:
+        _dispatch._propagate, _dispatch.dispatch_by_rule = propagate, pipeline
+        DTensorSpec.__init__, TensorMeta.__init__ = spec_init, meta_init
+
+
+def _check_repeated_ops_hit():
+    mesh = init_device_mesh("cpu", (2,))
+    _dispatch.clear_cache()
+    full = torch.randn(6, 4)
+    x = distribute_tensor(full, mesh, [Shard(0)])
+    w = distribute_tensor(torch.randn(4, 4), mesh, [Replicate()])
+    with _counting() as counts:
+        first = (x + x) @ w
+    assert counts["propagate"] == 2 and counts["pipeline"] == 2, counts
+    first.sum(), first.view(-1), first.detach()
+    with _counting() as counts:
+        for _ in range(5):
+            out = (x + x) @ w
+            total, flat, alias = out.sum(), out.view(-1), out.detach()
+    assert counts == {"propagate": 0, "pipeline": 0, "spec": 0, "meta": 0}, counts
+    # outputs share the first call's spec object: the next op's key compares by identity
+    assert out._spec is first._spec
+    torch.testing.assert_close(out.full_tensor(), (full + full) @ w.full_tensor())
+    torch.testing.assert_close(total.full_tensor(), out.full_tensor().sum())
+    assert flat.placements == (Shard(0),) and flat.shape == (24,)
+    assert alias.to_local().data_ptr() == out.to_local().data_ptr()
+    # a new cache (clear_cache) propagates again
+    _dispatch.clear_cache()
+    with _counting() as counts:
+        x + x
+    assert counts["propagate"] == 1, counts
+
+
+def _check_hits_redistribute_like_the_pipeline():
+    mesh = init_device_mesh("cpu", (2,))
+    _dispatch.clear_cache()
+    a_full, b_full = torch.randn(4, 6), torch.randn(6, 3)
+    a = distribute_tensor(a_full, mesh, [Shard(0)])
+    b = distribute_tensor(b_full, mesh, [Shard(0)])  # mm gathers it: Shard(0) -> Replicate
+    counts_per_call = []
+    for _ in range(3):
+        with CommDebugMode() as comm, _counting() as counts:
+            out = a @ b
+        counts_per_call.append((comm.get_comm_counts(), counts["propagate"]))
+        torch.testing.assert_close(out.full_tensor(), a_full @ b_full)
+        assert b.placements == (Shard(0),)  # the input keeps its layout
+    # the same all-gather on every call; only the first one propagated
+    assert counts_per_call[0][0] == {"all_gather": 1}, counts_per_call
+    assert [c for c, _ in counts_per_call[1:]] == [{"all_gather": 1}] * 2, counts_per_call
+    assert [p for _, p in counts_per_call] == [1, 0, 0], counts_per_call
+
+
+def _check_scalar_types_are_part_of_the_key():
+    mesh = init_device_mesh("cpu", (2,))
+    x = distribute_tensor(torch.arange(4), mesh, [Shard(0)])
+    assert (x * 2).dtype == torch.int64
+    doubled = x * 2.0  # equal to 2 as a dict key, but a float result
+    assert doubled.dtype == torch.float32 and doubled.to_local().dtype == torch.float32
+    assert (x * True).dtype == torch.int64
+
+
+def _check_in_place_and_view_hits():
+    mesh = init_device_mesh("cpu", (2,))
+    x = distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)])
+    local = x.to_local()
+    versions = [local._version]
+    for _ in range(3):
+        assert x.add_(1.0) is x
+        versions.append(local._version)
+    assert versions == sorted(set(versions)), versions  # every call bumped the counter
+    torch.testing.assert_close(x.full_tensor(), torch.full((4, 2), 3.0))
+    # row 1 lives on one rank: the view is gathered, and a write into it is carried back,
+    # on the fast path (the second table) as on the pipeline (the first)
+    tables = [distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)]) for _ in range(2)]
+    for table in tables:
+        table[1].zero_()
+        want = torch.ones(4, 3)
+        want[1] = 0
+        torch.testing.assert_close(table.full_tensor(), want)
+    assert isinstance(tables[1][1], DTensor)
+    assert dist.get_world_size() == 2
+
+
+def test_repeated_ops_hit_the_fast_path():
+    run_on_ranks(2, _check_repeated_ops_hit)
+
+
+def test_fast_path_hits_redistribute_like_the_pipeline():
+    run_on_ranks(2, _check_hits_redistribute_like_the_pipeline)
+
+
+def test_scalar_types_are_part_of_the_cache_key():
+    run_on_ranks(2, _check_scalar_types_are_part_of_the_key)
+
+
+def test_in_place_and_view_ops_on_the_fast_path():
+    run_on_ranks(2, _check_in_place_and_view_hits)
+
+
+def _check_outputs_keep_the_input_mesh_object():
+    # equal meshes of two roots are different meshes to fsdp2 and tensor parallelism
+    meshes = [init_device_mesh("cpu", (2,)), init_device_mesh("cpu", (2,))]
+    assert meshes[0] is not meshes[1] and meshes[0] == meshes[1]
+    for mesh in meshes:
+        x = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+        for _ in range(2):
+            assert (x + x).device_mesh is mesh
+            assert x.detach().device_mesh is mesh
+
+
+def test_outputs_keep_the_input_mesh_object():
+    run_on_ranks(2, _check_outputs_keep_the_input_mesh_object)
