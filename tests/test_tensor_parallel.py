@@ -425,8 +425,10 @@ def _loss_parallel():
     # the same through the model (3 ranks: an uneven sequence of 4 and vocabulary of 67):
     # logits stay sharded, same loss and gradients as gathering them
     cfg = _cfg(n_heads=4 if dist.get_world_size() != 3 else 3)
-    sharded = parallelize_module(_model(cfg), mesh["tp"], tp_plan(loss_parallel=True))
-    gathered = parallelize_module(_model(cfg), mesh["tp"], tp_plan())
+    uneven = SEQ % dist.get_world_size() != 0
+    plan = tp_plan(loss_parallel=True, uneven_sequence=uneven)
+    sharded = parallelize_module(_model(cfg), mesh["tp"], plan)
+    gathered = parallelize_module(_model(cfg), mesh["tp"], tp_plan(uneven_sequence=uneven))
     x, y = _batches(1)[0]
     with loss_parallel():
         loss = gpt_loss(sharded, x, y)
@@ -535,13 +537,13 @@ def _gather_site_model(mesh, regather: bool):
         regather_in_backward=regather,
     )  # fmt: skip
     return parallelize_module(_GatherSites(), mesh, {
-        "norm": SequenceParallel(),
+        "norm": SequenceParallel(uneven_shards=True),  # 5 tokens (below)
         "mix": gather,
         "mix.a": ColwiseParallel(),
         "mix.b": ColwiseParallel(),
         "out": RowwiseParallel(output_layouts=Shard(1)),
         "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(),
-                                regather_in_backward=regather),
+                                regather_in_backward=regather, uneven_shards=True),
     })  # fmt: skip
 
 
