@@ -30,6 +30,7 @@ it.
 from __future__ import annotations
 
 import functools
+import os
 import types
 
 import torch
@@ -212,7 +213,9 @@ def _global_shape(x: torch.Tensor, mesh, layout, uneven: bool, last: int | None)
       under sequence parallelism). They must be ``torch.chunk``'s pieces.
 
     Taking uneven shards as even gives the ranks different global shapes, and the next
-    collective fails or mixes rows: that is what ``uneven_shards`` is for.
+    collective fails or mixes rows: that is what ``uneven_shards`` is for. To find the
+    input, run with ``DTENSOR_CHECK_SHARDS=1``: every plain shard input then exchanges its
+    sizes, and one taken as even that is not raises, naming the fix, on every rank.
     """
     if not isinstance(layout, Shard) or mesh.size() == 1:
         return x.shape
@@ -220,21 +223,29 @@ def _global_shape(x: torch.Tensor, mesh, layout, uneven: bool, last: int | None)
     shape = list(x.shape)
     if last is not None and dim == x.ndim - 1:
         shape[dim] = last
-    elif not uneven:
-        shape[dim] = x.shape[dim] * mesh.size()
+    elif uneven or os.environ.get("DTENSOR_CHECK_SHARDS") == "1":
+        shape[dim] = _exchanged_size(x, dim, mesh, even=not uneven)
     else:
-        shape[dim] = _exchanged_size(x, dim, mesh)
+        shape[dim] = x.shape[dim] * mesh.size()
     return torch.Size(shape)
 
 
-def _exchanged_size(x: torch.Tensor, dim: int, mesh) -> int:
-    """The sum over the ranks of ``x.shape[dim]``, checked to be ``torch.chunk``'s pieces."""
+def _exchanged_size(x: torch.Tensor, dim: int, mesh, even: bool) -> int:
+    """The sum over the ranks of ``x.shape[dim]``, checked to be ``torch.chunk``'s pieces
+    (with ``even``, equal ones: the check of ``DTENSOR_CHECK_SHARDS=1``)."""
     mine = torch.tensor([x.shape[dim]], dtype=torch.int64, device=x.device)
     sizes = [torch.empty_like(mine) for _ in range(mesh.size())]
     debug.record("all_gather", mesh_dim_label(mesh, 0), mesh.size(), mine.element_size())
     dist.all_gather(sizes, mine, group=mesh.get_group())
     sizes = torch.cat(sizes).tolist()  # one read on the host
     total = sum(sizes)
+    if even and len(set(sizes)) != 1:
+        raise ValueError(
+            f"parallelize_module: the ranks hold {sizes} entries of dim {dim} of a plain input "
+            f"taken as even Shard({dim}) pieces. Pass uneven_shards=True to the style that "
+            f"receives it (its sizes are then exchanged on every call), make the length "
+            f"divisible by {mesh.size()}, or pass a DTensor."
+        )
     if sizes != chunk_sizes(total, mesh.size()):
         raise ValueError(
             f"parallelize_module: the ranks hold {sizes} entries of dim {dim} of an input "
