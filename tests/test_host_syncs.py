@@ -200,7 +200,10 @@ def _steady_state(layout: str):
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     # the ranks of one tensor-parallel group take the same rows
-    g = torch.Generator().manual_seed(hash(tuple(mesh.get_local_rank(n) for n in dp)))
+    dp_index = 0
+    for n in dp:
+        dp_index = dp_index * mesh.size(names.index(n)) + mesh.get_local_rank(n)
+    g = torch.Generator().manual_seed(dp_index)
     counter = HostSyncCounter()
     for step in range(WARMUP + MEASURED):
         x, y = (torch.randint(0, VOCAB, (ROWS, SEQ), generator=g) for _ in range(2))
