@@ -163,7 +163,9 @@ def gpt_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torc
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
-def tp_plan(*, loss_parallel: bool = False, use_torch: bool = False) -> dict:
+def tp_plan(
+    *, loss_parallel: bool = False, use_torch: bool = False, uneven_sequence: bool = False
+) -> dict:
     """The tensor-parallel plan for ``GPT`` (Megatron-style with sequence parallelism).
 
     Attention splits by heads (q/k/v column-parallel, the output projection row-parallel),
@@ -171,6 +173,11 @@ def tp_plan(*, loss_parallel: bool = False, use_torch: bool = False) -> dict:
     (dim 1), so the norms run on ``1/tp`` of the tokens. With ``loss_parallel`` the logits
     stay sharded over the vocabulary for ``dtensor.parallel.loss_parallel``. ``use_torch``
     builds the same plan from PyTorch's own classes.
+
+    The sequence must divide by the tensor-parallel size, as in PyTorch, unless
+    ``uneven_sequence``: then the norms take their shards as ``torch.chunk`` pieces of any
+    length, and exchange their lengths on every forward (a small all-gather and a host sync
+    each; docs/parallel.md).
 
     Example:
         >>> parallelize_module(model, mesh["tp"], tp_plan())
@@ -192,21 +199,24 @@ def tp_plan(*, loss_parallel: bool = False, use_torch: bool = False) -> dict:
             SequenceParallel,
         )
 
+    if uneven_sequence and use_torch:
+        raise ValueError("tp_plan: PyTorch's styles take sequence shards as even pieces.")
+    seq = {"uneven_shards": True} if uneven_sequence else {}
     gather_seq = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return {
         "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "pos_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
-        "blocks.*.ln1": SequenceParallel(),
+        "blocks.*.ln1": SequenceParallel(**seq),
         "blocks.*.attn": gather_seq,
         "blocks.*.attn.q": ColwiseParallel(),
         "blocks.*.attn.k": ColwiseParallel(),
         "blocks.*.attn.v": ColwiseParallel(),
         "blocks.*.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
-        "blocks.*.ln2": SequenceParallel(),
+        "blocks.*.ln2": SequenceParallel(**seq),
         "blocks.*.mlp": gather_seq,
         "blocks.*.mlp.fc": ColwiseParallel(),
         "blocks.*.mlp.out": RowwiseParallel(output_layouts=Shard(1)),
-        "ln_f": SequenceParallel(),
+        "ln_f": SequenceParallel(**seq),
         "head": ColwiseParallel(
             input_layouts=Shard(1),
             output_layouts=Shard(-1) if loss_parallel else Replicate(),

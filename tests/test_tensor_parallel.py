@@ -425,8 +425,10 @@ def _loss_parallel():
     # the same through the model (3 ranks: an uneven sequence of 4 and vocabulary of 67):
     # logits stay sharded, same loss and gradients as gathering them
     cfg = _cfg(n_heads=4 if dist.get_world_size() != 3 else 3)
-    sharded = parallelize_module(_model(cfg), mesh["tp"], tp_plan(loss_parallel=True))
-    gathered = parallelize_module(_model(cfg), mesh["tp"], tp_plan())
+    uneven = SEQ % dist.get_world_size() != 0
+    plan = tp_plan(loss_parallel=True, uneven_sequence=uneven)
+    sharded = parallelize_module(_model(cfg), mesh["tp"], plan)
+    gathered = parallelize_module(_model(cfg), mesh["tp"], tp_plan(uneven_sequence=uneven))
     x, y = _batches(1)[0]
     with loss_parallel():
         loss = gpt_loss(sharded, x, y)
@@ -535,13 +537,13 @@ def _gather_site_model(mesh, regather: bool):
         regather_in_backward=regather,
     )  # fmt: skip
     return parallelize_module(_GatherSites(), mesh, {
-        "norm": SequenceParallel(),
+        "norm": SequenceParallel(uneven_shards=True),  # 5 tokens (below)
         "mix": gather,
         "mix.a": ColwiseParallel(),
         "mix.b": ColwiseParallel(),
         "out": RowwiseParallel(output_layouts=Shard(1)),
         "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(),
-                                regather_in_backward=regather),
+                                regather_in_backward=regather, uneven_shards=True),
     })  # fmt: skip
 
 
@@ -604,6 +606,56 @@ def _regather_sees_in_place_changes():
 
 def test_regather_refuses_a_shard_changed_after_forward():
     run_on_ranks(2, _regather_sees_in_place_changes)
+
+
+# ------------------------------------------------------------------------- uneven shards
+def _norm_then_linear(mesh, uneven: bool):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 4))
+    ref = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 4))
+    ref.load_state_dict(model.state_dict())
+    plan = {"0": SequenceParallel(uneven_shards=uneven), "1": ColwiseParallel()}
+    return parallelize_module(model, mesh, plan), ref
+
+
+def _uneven_shards():
+    import os
+
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (ws,))
+    odd, even = torch.randn(2, 5, 8), torch.randn(2, 6, 8)  # 5 tokens: 3 and 2
+    # even shards are sized without communicating: the sequence gather is the only collective
+    model, ref = _norm_then_linear(mesh, uneven=False)
+    with CommDebugMode() as comm:
+        y = model(even.chunk(ws, 1)[rank])
+    assert comm.get_comm_counts() == {"all_gather": 1}, comm
+    torch.testing.assert_close(y, ref(even).chunk(ws, -1)[rank], rtol=1e-6, atol=1e-6)
+    # opted in, a sequence of any length: its sizes exchanged (a second, 8-byte all-gather)
+    model, ref = _norm_then_linear(mesh, uneven=True)
+    with CommDebugMode() as comm:
+        y = model(odd.chunk(ws, 1)[rank])
+    assert sorted(r.bytes for r in comm.records)[0] == 8 and len(comm.records) == 2, comm
+    torch.testing.assert_close(y, ref(odd).chunk(ws, -1)[rank], rtol=1e-6, atol=1e-6)
+    # the check mode exchanges the sizes of inputs taken as even and names the fix on every
+    # rank before any data moves (without it the ranks' collectives no longer match)
+    os.environ["DTENSOR_CHECK_SHARDS"] = "1"
+    try:
+        model, _ = _norm_then_linear(mesh, uneven=False)
+        with CommDebugMode() as comm:
+            _raises(
+                ValueError,
+                r"ranks hold \[3, 2\] entries of dim 1 .* taken as even Shard\(1\) pieces\. "
+                r"Pass uneven_shards=True",
+                lambda: model(odd.chunk(ws, 1)[rank]),
+            )
+        assert [r.bytes for r in comm.records] == [8], comm
+        model(even.chunk(ws, 1)[rank])  # even shards pass it
+    finally:
+        del os.environ["DTENSOR_CHECK_SHARDS"]
+
+
+def test_uneven_shards_are_opted_into_and_checked_on_request():
+    run_on_ranks(2, _uneven_shards)
 
 
 # ------------------------------------------------------------------------- errors

@@ -30,6 +30,7 @@ it.
 from __future__ import annotations
 
 import functools
+import os
 import types
 
 import torch
@@ -168,8 +169,11 @@ def _hook_replicated_params(module: nn.Module, args) -> None:
             param._tp_settles = True
 
 
-def _as_input(x, mesh, layout, desired, saver: SaveShards | None = None):
-    """``x`` as a DTensor in ``desired`` (a plain tensor is this rank's piece of ``layout``).
+def _as_input(
+    x, mesh, layout, desired, saver: SaveShards | None = None, *, uneven=False, last=None
+):
+    """``x`` as a DTensor in ``desired`` (a plain tensor is this rank's piece of ``layout``,
+    its global shape derived by ``_global_shape(x, mesh, layout, uneven, last)``).
 
     With a ``saver``, an input gathered from a shard is noted in it, so that the module's
     backward keeps the shard rather than the gathered tensor ([Note: regather in backward])."""
@@ -183,7 +187,8 @@ def _as_input(x, mesh, layout, desired, saver: SaveShards | None = None):
             )
         dt = x
     else:
-        dt = DTensor.from_local(x, mesh, (layout,), shape=_global_shape(x, mesh, layout))
+        shape = _global_shape(x, mesh, layout, uneven, last)
+        dt = DTensor.from_local(x, mesh, (layout,), shape=shape)
     if desired is not None and dt.placements != (desired,):
         shard, before = dt._local(), dt.placements[0]
         dt = dt.redistribute(placements=(desired,))
@@ -192,22 +197,55 @@ def _as_input(x, mesh, layout, desired, saver: SaveShards | None = None):
     return dt
 
 
-def _global_shape(x: torch.Tensor, mesh, layout) -> torch.Size:
+def _global_shape(x: torch.Tensor, mesh, layout, uneven: bool, last: int | None) -> torch.Size:
     """The global shape of the tensor whose ``layout`` piece ``x`` is on this rank.
 
-    For a shard the ranks' sizes along the dim are exchanged (one all-gather of one number
-    per rank), so a sequence not divisible by the mesh size gets its true length rather than
-    ``local * size``, which would differ between ranks and break the next collective.
+    [Note: global sizes of plain inputs] A plain tensor carries no global shape, and asking
+    the other ranks costs a collective and, on CUDA, a host sync on every forward. So:
+
+    * sharded on the last dim, with ``last`` given (a row-parallel Linear's ``in_features``):
+      that size, exact even for an uneven split;
+    * otherwise, by default, the shards are taken as even: global = local x mesh size, as
+      PyTorch's styles and ``DTensor.from_local`` take them. Nothing is communicated;
+    * with ``uneven`` (the style's ``uneven_shards=True``), the ranks' sizes along the dim
+      are exchanged: one all-gather of one number per rank and a host sync per call, for
+      inputs whose length need not divide by the mesh size (a sequence of any length
+      under sequence parallelism). They must be ``torch.chunk``'s pieces.
+
+    Taking uneven shards as even gives the ranks different global shapes, and the next
+    collective fails or mixes rows: that is what ``uneven_shards`` is for. To find the
+    input, run with ``DTENSOR_CHECK_SHARDS=1``: every plain shard input then exchanges its
+    sizes, and one taken as even that is not raises, naming the fix, on every rank.
     """
     if not isinstance(layout, Shard) or mesh.size() == 1:
         return x.shape
     dim = layout.dim % x.ndim
+    shape = list(x.shape)
+    if last is not None and dim == x.ndim - 1:
+        shape[dim] = last
+    elif uneven or os.environ.get("DTENSOR_CHECK_SHARDS") == "1":
+        shape[dim] = _exchanged_size(x, dim, mesh, even=not uneven)
+    else:
+        shape[dim] = x.shape[dim] * mesh.size()
+    return torch.Size(shape)
+
+
+def _exchanged_size(x: torch.Tensor, dim: int, mesh, even: bool) -> int:
+    """The sum over the ranks of ``x.shape[dim]``, checked to be ``torch.chunk``'s pieces
+    (with ``even``, equal ones: the check of ``DTENSOR_CHECK_SHARDS=1``)."""
     mine = torch.tensor([x.shape[dim]], dtype=torch.int64, device=x.device)
     sizes = [torch.empty_like(mine) for _ in range(mesh.size())]
     debug.record("all_gather", mesh_dim_label(mesh, 0), mesh.size(), mine.element_size())
     dist.all_gather(sizes, mine, group=mesh.get_group())
-    sizes = [int(t) for t in sizes]
+    sizes = torch.cat(sizes).tolist()  # one read on the host
     total = sum(sizes)
+    if even and len(set(sizes)) != 1:
+        raise ValueError(
+            f"parallelize_module: the ranks hold {sizes} entries of dim {dim} of a plain input "
+            f"taken as even Shard({dim}) pieces. Pass uneven_shards=True to the style that "
+            f"receives it (its sizes are then exchanged on every call), make the length "
+            f"divisible by {mesh.size()}, or pass a DTensor."
+        )
     if sizes != chunk_sizes(total, mesh.size()):
         raise ValueError(
             f"parallelize_module: the ranks hold {sizes} entries of dim {dim} of an input "
@@ -215,18 +253,17 @@ def _global_shape(x: torch.Tensor, mesh, layout) -> torch.Size:
             f"({chunk_sizes(total, mesh.size())}). Shard the input with torch.chunk, or pass "
             "a DTensor."
         )
-    shape = list(x.shape)
-    shape[dim] = total
-    return torch.Size(shape)
+    return total
 
 
-def _as_output(y, mesh, layout, desired, use_local: bool):
+def _as_output(y, mesh, layout, desired, use_local: bool, uneven: bool = False):
     if not isinstance(y, torch.Tensor):
         return y
     if not isinstance(y, DTensor):
         if layout is None:
             return y
-        y = DTensor.from_local(y, mesh, (layout,), shape=_global_shape(y, mesh, layout))
+        shape = _global_shape(y, mesh, layout, uneven, None)
+        y = DTensor.from_local(y, mesh, (layout,), shape=shape)
     if desired is not None and y.placements != (desired,):
         y = y.redistribute(placements=(desired,))
     return y.to_local() if use_local else y
@@ -299,7 +336,11 @@ class ColwiseParallel(ParallelStyle):
     ``output_layouts`` and handed on as a local tensor when ``use_local_output``. An input
     gathered from a shard is saved for backward as the shard and gathered again there;
     ``regather_in_backward=False`` keeps the gathered tensor instead, as PyTorch's style does
-    ([Note: regather in backward]).
+    ([Note: regather in backward]). A Linear's input sharded on its last dim takes its
+    global size from ``in_features``; one sharded on another dim is taken as even pieces,
+    as in PyTorch, unless ``uneven_shards=True``: then it may be any ``torch.chunk`` piece and
+    the ranks' sizes are exchanged on every call (a small all-gather and a host sync;
+    [Note: global sizes of plain inputs]).
 
     Example:
         >>> parallelize_module(mlp, mesh["tp"], {"fc": ColwiseParallel(),
@@ -315,6 +356,7 @@ class ColwiseParallel(ParallelStyle):
         output_layouts=None,
         use_local_output=True,
         regather_in_backward: bool = True,
+        uneven_shards: bool = False,
     ):
         self.input_layouts = _layout(input_layouts, "input_layouts", "ColwiseParallel", Replicate())
         self.output_layouts = _layout(
@@ -322,6 +364,7 @@ class ColwiseParallel(ParallelStyle):
         )
         self.use_local_output = use_local_output
         self.regather_in_backward = regather_in_backward
+        self.uneven_shards = uneven_shards
 
     def _check(self, module, path):
         super()._check(module, path)
@@ -344,10 +387,12 @@ class ColwiseParallel(ParallelStyle):
         else:
             _distribute(module, "weight", mesh, shard, call)
             _set_forward(module, _compute.colwise_embedding)
-        layout = self.input_layouts
+        layout, uneven = self.input_layouts, self.uneven_shards
+        last = module.in_features if base is nn.Linear else None
 
         def prepare(args, kwargs, saver):
-            return (_as_input(args[0], mesh, layout, Replicate(), saver), *args[1:]), kwargs
+            x = _as_input(args[0], mesh, layout, Replicate(), saver, uneven=uneven, last=last)
+            return (x, *args[1:]), kwargs
 
         _hook_inputs(module, prepare, self.regather_in_backward)
         out, local = self.output_layouts, self.use_local_output
@@ -361,7 +406,11 @@ class RowwiseParallel(ParallelStyle):
     The input arrives as ``input_layouts`` (default ``Shard(-1)`` for a Linear - the output
     of a ``ColwiseParallel`` one - and ``Replicate()`` for an Embedding); the partial results
     are summed into ``output_layouts`` (default ``Replicate()``: an all-reduce; ``Shard(1)``:
-    a reduce-scatter over the sequence).
+    a reduce-scatter over the sequence). A Linear's input sharded on its last dim takes its
+    global size from ``in_features``; one sharded on another dim is taken as even pieces,
+    as in PyTorch, unless ``uneven_shards=True``: then it may be any ``torch.chunk`` piece and
+    the ranks' sizes are exchanged on every call (a small all-gather and a host sync;
+    [Note: global sizes of plain inputs]).
 
     Example:
         >>> RowwiseParallel(output_layouts=Shard(1))   # sequence-parallel block output
@@ -369,12 +418,20 @@ class RowwiseParallel(ParallelStyle):
 
     supported = (nn.Linear, nn.Embedding)
 
-    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output=True):
+    def __init__(
+        self,
+        *,
+        input_layouts=None,
+        output_layouts=None,
+        use_local_output=True,
+        uneven_shards: bool = False,
+    ):
         self.input_layouts = _layout(input_layouts, "input_layouts", "RowwiseParallel")
         self.output_layouts = _layout(
             output_layouts, "output_layouts", "RowwiseParallel", Replicate()
         )
         self.use_local_output = use_local_output
+        self.uneven_shards = uneven_shards
 
     def _check(self, module, path):
         super()._check(module, path)
@@ -396,6 +453,8 @@ class RowwiseParallel(ParallelStyle):
             base, weight, fn = nn.Embedding, Shard(0), _compute.rowwise_embedding
             layout = desired = Replicate()
         layout = self.input_layouts or layout
+        uneven = self.uneven_shards
+        last = module.in_features if base is nn.Linear else None
         if _computes_as(module, base):
             _distribute(module, "weight", mesh, weight, call)
             _distribute(module, "bias", mesh, Replicate(), call)
@@ -405,7 +464,12 @@ class RowwiseParallel(ParallelStyle):
             _distribute_subclass(module, mesh, call, weight, Replicate())
             reduce_to = out
         module.register_forward_pre_hook(
-            _eager(lambda _, args: (_as_input(args[0], mesh, layout, desired), *args[1:]))
+            _eager(
+                lambda _, args: (
+                    _as_input(args[0], mesh, layout, desired, uneven=uneven, last=last),
+                    *args[1:],
+                )
+            )
         )
         module.register_forward_hook(
             _eager(lambda _, __, y: _as_output(y, mesh, None, reduce_to, local))
@@ -421,21 +485,35 @@ class SequenceParallel(ParallelStyle):
     rules, so the parameters' gradients come out as partial sums that are reduced for them.
     The output stays a DTensor unless ``use_local_output``.
 
+    A plain input is taken as an even piece of the sequence (global length = local length x
+    mesh size), as in PyTorch; with ``uneven_shards=True`` it may be any ``torch.chunk``
+    piece (a sequence whose length does not divide by the mesh size), and the ranks' lengths
+    are exchanged on every call: a small all-gather and a host sync ([Note: global sizes of
+    plain inputs]).
+
     Example:
         >>> parallelize_module(block, mesh["tp"], {"ln1": SequenceParallel()})
+        >>> SequenceParallel(uneven_shards=True)   # sequences of any length
     """
 
-    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False):
+    def __init__(
+        self,
+        *,
+        sequence_dim: int = 1,
+        use_local_output: bool = False,
+        uneven_shards: bool = False,
+    ):
         self.sequence_dim = sequence_dim
         self.use_local_output = use_local_output
+        self.uneven_shards = uneven_shards
 
     def _apply(self, module, mesh, call):
         for sub in module.modules():
             for name in list(sub._parameters):
                 _distribute(sub, name, mesh, Replicate(), call)
-        seq = Shard(self.sequence_dim)
+        seq, uneven = Shard(self.sequence_dim), self.uneven_shards
         module.register_forward_pre_hook(
-            _eager(lambda _, args: (_as_input(args[0], mesh, seq, seq), *args[1:]))
+            _eager(lambda _, args: (_as_input(args[0], mesh, seq, seq, uneven=uneven), *args[1:]))
         )
         local = self.use_local_output
         module.register_forward_hook(
@@ -460,6 +538,10 @@ class PrepareModuleInput(ParallelStyle):
     linears of a sequence-parallel block) are saved for backward as their shards and gathered
     again there, once per backward pass; ``regather_in_backward=False`` keeps the gathered
     tensors instead, as PyTorch's style does ([Note: regather in backward]).
+    ``uneven_shards``: a plain input taken as a ``Shard`` may be any ``torch.chunk`` piece
+    (a sequence whose length does not divide by the mesh size); its ranks' sizes are then
+    exchanged on every call (a small all-gather and a host sync). By default shards are
+    taken as even, as in PyTorch ([Note: global sizes of plain inputs]).
 
     Example:
         >>> PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
@@ -474,6 +556,7 @@ class PrepareModuleInput(ParallelStyle):
         desired_input_kwarg_layouts=None,
         use_local_output: bool = False,
         regather_in_backward: bool = True,
+        uneven_shards: bool = False,
     ):
         style = "PrepareModuleInput"
         self.input_layouts = _layouts(input_layouts, "input_layouts", style)
@@ -482,6 +565,7 @@ class PrepareModuleInput(ParallelStyle):
         self.desired_input_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
         self.use_local_output = use_local_output
         self.regather_in_backward = regather_in_backward
+        self.uneven_shards = uneven_shards
         if (self.input_layouts is None) != (self.desired_input_layouts is None) or (
             self.input_layouts is not None
             and len(self.input_layouts) != len(self.desired_input_layouts)
@@ -500,7 +584,7 @@ class PrepareModuleInput(ParallelStyle):
     def _convert(self, x, mesh, layout, desired, saver):
         if layout is None or not isinstance(x, torch.Tensor):
             return x
-        dt = _as_input(x, mesh, layout, desired, saver)
+        dt = _as_input(x, mesh, layout, desired, saver, uneven=self.uneven_shards)
         return dt.to_local() if self.use_local_output else dt
 
     def _apply(self, module, mesh, call):
@@ -529,17 +613,29 @@ class PrepareModuleInput(ParallelStyle):
 class PrepareModuleOutput(ParallelStyle):
     """Redistribute a module's outputs from ``output_layouts`` to ``desired_output_layouts``.
 
+    ``uneven_shards``: a plain output taken as a ``Shard`` may be any ``torch.chunk`` piece;
+    its ranks' sizes are then exchanged on every call (by default shards are taken as even,
+    [Note: global sizes of plain inputs]).
+
     Example:
         >>> PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),))
     """
 
-    def __init__(self, *, output_layouts, desired_output_layouts, use_local_output: bool = True):
+    def __init__(
+        self,
+        *,
+        output_layouts,
+        desired_output_layouts,
+        use_local_output: bool = True,
+        uneven_shards: bool = False,
+    ):
         style = "PrepareModuleOutput"
         self.output_layouts = _layouts(output_layouts, "output_layouts", style)
         self.desired_output_layouts = _layouts(
             desired_output_layouts, "desired_output_layouts", style
         )
         self.use_local_output = use_local_output
+        self.uneven_shards = uneven_shards
         if len(self.output_layouts) != len(self.desired_output_layouts):
             raise ValueError(
                 f"{style}: output_layouts and desired_output_layouts must have one entry each "
@@ -557,7 +653,7 @@ class PrepareModuleOutput(ParallelStyle):
                     f"{len(outs)} outputs but output_layouts has {len(self.output_layouts)}."
                 )
             new = tuple(
-                _as_output(y, mesh, lay, want, self.use_local_output)
+                _as_output(y, mesh, lay, want, self.use_local_output, self.uneven_shards)
                 for y, lay, want in zip(outs, self.output_layouts, self.desired_output_layouts)
             )
             return new[0] if single else type(out)(new)
