@@ -333,11 +333,6 @@ def padded_chunk_size(size: int, num_chunks: int) -> int:
     return -(-size // num_chunks) if size else 0
 
 
-def padded_size(size: int, num_chunks: int) -> int:
-    """``padded_chunk_size * num_chunks``: the size an all-gather of padded shards produces."""
-    return padded_chunk_size(size, num_chunks) * num_chunks
-
-
 def normalize_placements(placements, mesh_ndim: int, tensor_ndim: int, *, api: str):
     """Validate user placements and return them as a tuple with non-negative shard dims.
 
