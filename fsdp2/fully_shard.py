@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from device_mesh import DeviceMesh, as_device_mesh, init_device_mesh
-from device_mesh._groups import backend_for
+from device_mesh.groups import backend_for
 from dtensor import DTensor
 from dtensor.placement import Shard, from_torch_placement
 from dtensor.tensor import is_torch_dtensor, torch_dtensor_message
@@ -288,7 +288,7 @@ def _as_modules(module) -> tuple[nn.Module, ...]:
 def _default_mesh() -> DeviceMesh:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if not dist.is_initialized():
-        from device_mesh._groups import ensure_default_group
+        from device_mesh.groups import ensure_default_group
 
         ensure_default_group(device_type)
     return init_device_mesh(device_type, (dist.get_world_size(),))
