@@ -190,6 +190,11 @@ class _StridedShard(Shard):
         return f"_S({self.dim}, {self.split_factor})"
 
 
+# The public name of ``_StridedShard``, for libraries that lay out FSDP over tensor
+# parallelism (fsdp2); the class keeps PyTorch's private name, which its repr shows.
+StridedShard = _StridedShard
+
+
 class Replicate(Placement):
     """Every rank of the mesh dim holds the whole tensor."""
 
