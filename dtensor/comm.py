@@ -84,6 +84,7 @@ class Pending:
         if self._result is None:
             if self._work is not None:
                 self._work.wait()
+                self._work = None  # it references the buffers; a pool may hand them out now
             self._result = self._finish()
             self._finish = None
         return self._result

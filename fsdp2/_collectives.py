@@ -27,12 +27,12 @@ primitives. ``dtensor.debug`` records every route by meaning: one ``all_gather``
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.distributed as dist
 
 from dtensor import debug
+from dtensor.buffers import KeptBuffer, nbytes_of
 from dtensor.comm import (
     Pending,
     all_gather_rows,
@@ -60,39 +60,47 @@ class BufferPool:
     (gradient rows carry flags) share one set. At most ``keep`` buffers are held. Off the
     CPU it allocates fresh: the CUDA caching allocator already reuses memory, per stream.
 
+    Buffers come back with ``put`` once their collective finished; one is handed out again
+    only when nothing else references it any more (``dtensor.buffers``' [Note: the buffer
+    safety rule], which DTensor's collective workspace follows too), so a buffer given back
+    while a view of it is still read is never written under that reader.
+
     Example::
 
         >>> pool = BufferPool(keep=2)
         >>> a = pool.get((4, 1000), torch.float32, "cpu")
+        >>> ptr = a.data_ptr()
         >>> pool.put(a)
-        >>> pool.get((4, 1000), torch.float32, "cpu").data_ptr() == a.data_ptr()
+        >>> del a                              # nothing references it any more
+        >>> pool.get((4, 1000), torch.float32, "cpu").data_ptr() == ptr
         True
     """
 
     def __init__(self, keep: int) -> None:
         self.keep = keep
-        self._free: list[torch.UntypedStorage] = []
+        self._free: list[KeptBuffer] = []
 
     def get(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
         if torch.device(device).type != "cpu":
             return torch.empty(shape, dtype=dtype, device=device)
-        need = math.prod(shape) * dtype.itemsize
-        fits = [s for s in self._free if need <= s.nbytes() <= need + max(need // 8, _HUGE_PAGE)]
+        need = nbytes_of(shape, dtype)
+        slack = max(need // 8, _HUGE_PAGE)
+        fits = [b for b in self._free if need <= b.nbytes <= need + slack and b.is_free()]
         if fits:
-            storage = min(fits, key=lambda s: s.nbytes())
-            self._free.remove(storage)
+            buf = min(fits, key=lambda b: b.nbytes)
+            self._free.remove(buf)
         elif self.keep:
             # Untouched bytes at the end of the headroom never become resident.
             capacity = -(-(need + _HEADROOM) // _HUGE_PAGE) * _HUGE_PAGE
-            storage = _host_memory.empty((capacity,), torch.uint8, device).untyped_storage()
+            buf = KeptBuffer.of(_host_memory.empty((capacity,), torch.uint8, device))
         else:
             return _host_memory.empty(tuple(shape), dtype, device)
-        return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
+        return buf.tensor(shape, dtype)
 
     def put(self, t: torch.Tensor) -> None:
         if t.device.type != "cpu" or len(self._free) >= self.keep:
             return  # dropped: its mapping goes back to the kernel ([Note: host memory])
-        self._free.append(t.untyped_storage())
+        self._free.append(KeptBuffer.of(t))
 
     def clear(self) -> None:
         self._free.clear()

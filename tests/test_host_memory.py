@@ -145,17 +145,33 @@ def test_allocate_maps_only_large_cpu_buffers():
 def test_pool_reuses_for_a_slightly_wider_request_and_stays_bounded():
     pool = BufferPool(keep=1)
     a = pool.get((4, 1 << 18), torch.float32, "cpu")
+    ptr = a.data_ptr()
     pool.put(a)
+    del a
     wider = pool.get((4, (1 << 18) + 12), torch.float32, "cpu")  # gradient rows + flags
-    assert wider.data_ptr() == a.data_ptr() and wider.is_contiguous()
+    assert wider.data_ptr() == ptr and wider.is_contiguous()
     pool.put(wider)
+    del wider
     pool.put(pool.get((8,), torch.float32, "cpu"))  # over ``keep``: dropped
     assert len(pool._free) == 1
     tiny = pool.get((8,), torch.float32, "cpu")  # far smaller: not served by the big one
-    assert tiny.data_ptr() != a.data_ptr()
+    assert tiny.data_ptr() != ptr
     no_pool = BufferPool(keep=0)
     no_pool.put(tiny)
     assert not no_pool._free
+
+
+def test_pool_hands_out_no_buffer_something_still_references():
+    pool = BufferPool(keep=2)
+    a = pool.get((4, 1 << 18), torch.float32, "cpu")
+    view = a[1:]  # still read after the buffer was given back
+    ptr = a.data_ptr()
+    pool.put(a)
+    del a
+    b = pool.get((4, 1 << 18), torch.float32, "cpu")
+    assert b.data_ptr() != ptr  # the view keeps the given-back buffer busy
+    del view
+    assert pool.get((4, 1 << 18), torch.float32, "cpu").data_ptr() == ptr  # free now
 
 
 # ----------------------------------------------------------------------- training in mappings
