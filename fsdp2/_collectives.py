@@ -63,7 +63,9 @@ class BufferPool:
     Buffers come back with ``put`` once their collective finished; one is handed out again
     only when nothing else references it any more (``dtensor.buffers``' [Note: the buffer
     safety rule], which DTensor's collective workspace follows too), so a buffer given back
-    while a view of it is still read is never written under that reader.
+    while a view of it is still read is never written under that reader. Counters: ``hits``
+    (served by a kept buffer) and ``busy`` (a kept buffer would have fit but was still
+    referenced).
 
     Example::
 
@@ -79,16 +81,20 @@ class BufferPool:
     def __init__(self, keep: int) -> None:
         self.keep = keep
         self._free: list[KeptBuffer] = []
+        self.hits = self.busy = 0
 
     def get(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
         if torch.device(device).type != "cpu":
             return torch.empty(shape, dtype=dtype, device=device)
         need = nbytes_of(shape, dtype)
         slack = max(need // 8, _HUGE_PAGE)
-        fits = [b for b in self._free if need <= b.nbytes <= need + slack and b.is_free()]
+        sized = [b for b in self._free if need <= b.nbytes <= need + slack]
+        fits = [b for b in sized if b.is_free()]
+        self.busy += len(sized) > len(fits) and not fits
         if fits:
             buf = min(fits, key=lambda b: b.nbytes)
             self._free.remove(buf)
+            self.hits += 1
         elif self.keep:
             # Untouched bytes at the end of the headroom never become resident.
             capacity = -(-(need + _HEADROOM) // _HUGE_PAGE) * _HUGE_PAGE

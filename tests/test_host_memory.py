@@ -169,9 +169,28 @@ def test_pool_hands_out_no_buffer_something_still_references():
     pool.put(a)
     del a
     b = pool.get((4, 1 << 18), torch.float32, "cpu")
-    assert b.data_ptr() != ptr  # the view keeps the given-back buffer busy
+    assert b.data_ptr() != ptr and pool.busy == 1  # the view keeps the given-back one busy
     del view
     assert pool.get((4, 1 << 18), torch.float32, "cpu").data_ptr() == ptr  # free now
+    assert pool.hits == 1
+
+
+def _pool_reused_every_step():
+    from fsdp2 import fully_shard
+    from tests.test_fsdp_parity import _batches, _build, _cfg, _train
+
+    model = _build(_cfg(n_layers=3), fully_shard)
+    model._fsdp.lazy_init()
+    pool = model._fsdp.ctx.comm.pool
+    _train(model, _batches(2, steps=3), local=True)
+    # the runtime gives buffers back only once their collective finished and drops its own
+    # references, so the safety rule never finds one busy: every step after the first is
+    # served from the pool (3 blocks + the root: gathers and reductions)
+    assert pool.hits > 0 and pool.busy == 0, (pool.hits, pool.busy)
+
+
+def test_the_runtime_gives_the_pool_free_buffers_only():
+    run_on_ranks(2, _on_route, route="staged", target=_pool_reused_every_step)
 
 
 # ----------------------------------------------------------------------- training in mappings
