@@ -136,7 +136,7 @@ def reduce_scatter(
     if reduce_scatters_blocks(group, partial):
         nbytes = k * pad * (local.numel() // max(full, 1)) * local.element_size()
         debug.record("reduce_scatter", _dim_label(mesh, mesh_dim), k, nbytes)
-        divide_by = float(k) if partial.reduce_op == "avg" else 1.0
+        divide_by = reduction_of(partial, k).divide_by
         ws = _workspace.workspace_for_group(mesh, group)
         done = _reduce_blocks(local, group, idx, tensor_dim, sizes, divide_by, ws)
         return done if async_op else Pending.ready(done.wait())

@@ -30,6 +30,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from dtensor import _collectives as E
 from dtensor._collectives import Pending
+from dtensor.comm import reduction_of
 from dtensor.placement import Partial, chunk_sizes, padded_chunk_size
 
 # torch 2.13 names them *_single; older releases only have *_tensor.
@@ -120,7 +121,7 @@ def reduce_scatter(
     full = local.size(tensor_dim)
     sizes, pad = chunk_sizes(full, k), padded_chunk_size(full, k)
     if E.reduce_scatters_blocks(group, partial):
-        divide_by = float(k) if partial.reduce_op == "avg" else 1.0
+        divide_by = reduction_of(partial, k).divide_by
         return Pending.ready(
             reduce_blocks(local, group.group_name, idx, tensor_dim, sizes, divide_by)
         )
