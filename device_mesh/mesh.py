@@ -8,7 +8,7 @@ Vocabulary used across the project: a *mesh dim* is an axis of this grid (``"dp"
 ``torch.distributed.new_group`` is collective over the default group: all ranks must call it
 for every group, in the same order, including groups they are not members of. A mesh
 therefore walks all slices of each mesh dim (not only its own) when it is built, through the
-cache in ``_groups``; slicing a mesh by name reuses those groups and creates none.
+cache in ``device_mesh.groups``; slicing a mesh by name reuses those groups and creates none.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from device_mesh import _groups
+from device_mesh import groups as _groups
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class DeviceMesh:
         names = _check_dim_names(mesh_dim_names, mesh_tensor.ndim, api="DeviceMesh")
         _check_ranks(mesh_tensor, dist.get_world_size())
         self._init_root(device_type, backend, mesh_tensor, names)
-        # held weakly: [Note: weak group references] in _groups.py
+        # held weakly: [Note: weak group references] in groups.py
         self._dim_groups = [_groups.hold(self._create_dim_groups(d)) for d in range(self.ndim)]
         logger.info("built %r", self)
 

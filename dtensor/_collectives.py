@@ -8,74 +8,41 @@ returns the result. Every call is reported to ``dtensor.debug``.
 A shard is padded along its tensor dim up to ``padded_chunk_size``; after an all-gather, each
 rank's block is cut back to its real ``chunk_sizes`` entry.
 
-[Note: row collectives on gloo] gloo's ring all-gather and its reduce-scatter (an all-reduce
-plus copies inside torch) are slower on this project's CPU machines than an all-to-all of
-padded rows: an all-gather sends our row to every peer (the row repeated once per rank) and
-a reduce-scatter sends each peer its row and sums what comes back, in rank order. The
-measurements are in docs/dtensor.md. ``all_gather_rows`` and ``reduce_rows`` are those two
-forms (a real all-gather / reduce-scatter on NCCL); fsdp2's grouped collectives use them.
-DTensor's own all-gather and sum reduce-scatter on gloo go point to point instead ([Note:
-DTensor's collectives on gloo]).
+The padded row collectives and the point-to-point ``exchange`` they share with fsdp2 live
+one layer down, in ``dtensor.comm`` ([Note: row collectives on gloo] there).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from dtensor import _workspace, debug
-from dtensor.placement import NormPartial, Partial, chunk_offsets, chunk_sizes, padded_chunk_size
-
-# torch 2.13 prefers the *_single names; older releases only have *_tensor.
-
-
-def _first_available(*names: str):
-    """The first of ``names`` that this torch's ``torch.distributed`` has: collective
-    functions were renamed across releases (the GPU machines run 2.11, this one 2.13)."""
-    for name in names:
-        fn = getattr(dist, name, None)
-        if fn is not None:
-            return fn
-    raise RuntimeError(f"torch.distributed has none of {names}; this torch is too old.")
-
-
-_all_gather_flat = _first_available(
-    "all_gather_single", "all_gather_into_tensor", "_all_gather_base"
+from dtensor.comm import (
+    Pending,
+    all_gather_rows,
+    backend_is_gloo,
+    combine_rows,
+    exchange,
+    message_tags,
+    reduce_rows,
+    reduces_rows_by_all_to_all,
+    reduction_of,
+    sum_into,
 )
-_reduce_scatter_flat = _first_available(
-    "reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base"
-)
+from dtensor.comm import mesh_dim_label as _dim_label
+from dtensor.placement import Partial, chunk_offsets, chunk_sizes, padded_chunk_size
 
-
-class Pending:
-    """A collective result that may not be ready; ``wait()`` returns the finished tensor."""
-
-    __slots__ = ("_work", "_finish", "_result")
-
-    def __init__(self, work, finish: Callable[[], torch.Tensor]) -> None:
-        self._work = work
-        self._finish = finish
-        self._result = None
-
-    def wait(self) -> torch.Tensor:
-        if self._result is None:
-            if self._work is not None:
-                self._work.wait()
-            self._result = self._finish()
-            self._finish = None
-        return self._result
-
-    @staticmethod
-    def ready(t: torch.Tensor) -> Pending:
-        return Pending(None, lambda: t)
-
-
-def backend_is_gloo(group) -> bool:
-    """Whether ``group`` runs on gloo (the row collectives then use all-to-alls)."""
-    return "gloo" in str(dist.get_backend(group)).lower()
+__all__ = [  # names other modules read here; the row collectives are dtensor.comm's
+    "Pending",
+    "all_gather_rows",
+    "backend_is_gloo",
+    "combine_rows",
+    "reduce_rows",
+    "reduces_rows_by_all_to_all",
+    "sum_into",
+]
 
 
 # [Note: one wire form per collective] A redistribution runs eagerly (this module) or inside
@@ -100,119 +67,6 @@ def reduce_scatters_blocks(group, partial: Partial) -> bool:
     return (
         backend_is_gloo(group) and type(partial) is Partial and partial.reduce_op in ("sum", "avg")
     )
-
-
-def reduces_rows_by_all_to_all(group, op: str) -> bool:
-    """Whether ``reduce_rows`` with ``op`` runs an all-to-all and reduces locally (gloo, and
-    max / min everywhere) instead of a reduce-scatter."""
-    return backend_is_gloo(group) or op != "sum"
-
-
-# --------------------------------------------------------------------------- row collectives
-def _get(pool, shape, dtype, device) -> torch.Tensor:
-    if pool is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    return pool.get(shape, dtype, device)
-
-
-def all_gather_rows(
-    rows_in: torch.Tensor, group, group_size: int, *, label=None, mesh=None, pool=None
-) -> Pending:
-    """All-gather of one row per rank: the result is ``(group_size, N)`` with row ``r`` from
-    rank ``r``, and ``rows_in[0]`` (``(group_size, N)``) is this rank's row.
-
-    On gloo ``rows_in`` must hold the same row ``group_size`` times: the gather is an
-    all-to-all ([Note: row collectives on gloo]). Elsewhere only ``rows_in[0]`` is read.
-    ``pool`` (an object with ``get(shape, dtype, device)`` and ``put(tensor)``) supplies the
-    output and takes the input back once the collective has finished; None allocates.
-    """
-    n = rows_in.size(1)
-    debug.record("all_gather", _dim_label(mesh, label), group_size, n * rows_in.element_size())
-    out = _get(pool, (group_size, n), rows_in.dtype, rows_in.device)
-    if backend_is_gloo(group):
-        work = dist.all_to_all_single(out, rows_in, group=group, async_op=True)
-    else:
-        work = _all_gather_flat(out.view(-1), rows_in[0], group=group, async_op=True)
-
-    def finish():
-        if pool is not None:
-            pool.put(rows_in)
-        return out
-
-    return Pending(work, finish)
-
-
-def sum_into(out: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
-    """``out`` = the sum of ``parts``, added in the order given."""
-    if len(parts) == 1:
-        return out.copy_(parts[0])
-    torch.add(parts[0], parts[1], out=out)
-    for part in parts[2:]:
-        out.add_(part)
-    return out
-
-
-def combine_rows(recv: torch.Tensor, divide_by: float = 1.0, op: str = "sum") -> torch.Tensor:
-    """Reduce the rows of ``recv`` (``(k, N)``) in rank order: a sum divided by
-    ``divide_by`` (one pass when that is ``k``: ``mean``), or the elementwise max / min."""
-    if op == "max":
-        return recv.amax(0)
-    if op == "min":
-        return recv.amin(0)
-    if divide_by == recv.size(0) and recv.size(0) > 1:
-        return recv.mean(0)
-    total = sum_into(torch.empty_like(recv[0]), list(recv))
-    if divide_by != 1:
-        total.div_(divide_by)
-    return total
-
-
-def reduce_rows(
-    rows: torch.Tensor,
-    rank: int,
-    group,
-    *,
-    divide_by: float = 1.0,
-    op: str = "sum",
-    label=None,
-    mesh=None,
-    pool=None,
-) -> Pending:
-    """Reduce ``rows`` (``(group_size, N)``, row ``r`` destined for rank ``r``) over the
-    group: this rank gets its row summed (``op="sum"``, then divided by ``divide_by``) or
-    its elementwise ``"max"`` / ``"min"``.
-
-    The result is a fresh ``(N,)`` tensor that owns its memory. On gloo this is an
-    all-to-all followed by a local reduction in rank order ([Note: row collectives on
-    gloo]); it moves (k-1)/k of the buffer per rank instead of twice that.
-    """
-    k = rows.size(0)
-    debug.record("reduce_scatter", _dim_label(mesh, label), k, rows.numel() * rows.element_size())
-    if k == 1:
-        return Pending(None, lambda: combine_rows(rows, divide_by, op))
-    if reduces_rows_by_all_to_all(group, op):
-        recv = _get(pool, tuple(rows.shape), rows.dtype, rows.device)
-        work = dist.all_to_all_single(recv, rows, group=group, async_op=True)
-
-        def finish():
-            total = combine_rows(recv, divide_by, op)
-            if pool is not None:
-                pool.put(rows)
-                pool.put(recv)
-            return total
-
-        return Pending(work, finish)
-    out = torch.empty(rows.size(1), dtype=rows.dtype, device=rows.device)
-    work = _reduce_scatter_flat(
-        out, rows.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True
-    )
-
-    def finish_rs():
-        if pool is not None:
-            pool.put(rows)
-        return out.div_(divide_by) if divide_by != 1 else out
-
-    return Pending(work, finish_rs)
 
 
 def _pad_dim0(t: torch.Tensor, size: int) -> torch.Tensor:
@@ -258,11 +112,11 @@ def all_reduce(local, mesh, mesh_dim: int, partial: Partial, *, async_op=False) 
     """Reduce partial values over the mesh dim; every rank gets the result."""
     group = mesh.get_group(mesh_dim)
     k = mesh.size(mesh_dim)
-    x, op, finish_fn = _prepare_reduce(
+    x, reduction, finish_fn = _prepare_reduce(
         local, partial, k, _workspace.workspace_for_group(mesh, group)
     )
     debug.record("all_reduce", _dim_label(mesh, mesh_dim), k, x.numel() * x.element_size())
-    work = dist.all_reduce(x, op=op, group=group, async_op=async_op)
+    work = dist.all_reduce(x, op=reduction.reduce_op, group=group, async_op=async_op)
     if async_op:
         return Pending(work, lambda: finish_fn(x))
     return Pending.ready(finish_fn(x))
@@ -282,7 +136,7 @@ def reduce_scatter(
     if reduce_scatters_blocks(group, partial):
         nbytes = k * pad * (local.numel() // max(full, 1)) * local.element_size()
         debug.record("reduce_scatter", _dim_label(mesh, mesh_dim), k, nbytes)
-        divide_by = float(k) if partial.reduce_op == "avg" else 1.0
+        divide_by = reduction_of(partial, k).divide_by
         ws = _workspace.workspace_for_group(mesh, group)
         done = _reduce_blocks(local, group, idx, tensor_dim, sizes, divide_by, ws)
         return done if async_op else Pending.ready(done.wait())
@@ -310,26 +164,15 @@ def _stack_blocks(local: torch.Tensor, tensor_dim: int, sizes: list[int], pad: i
 # exchange each rank's block point to point, in the tensor's own layout: no padding, no
 # repeated rows, and the long-lived result is allocated before the buffers that die with the
 # call (so freeing them leaves no hole under it; activations go through here every step).
-# The reduction adds the ranks' blocks in rank order, as ``combine_rows`` does. Tags sit
-# above fsdp2's (below ``1 << 25``), so the two never match each other's messages.
-_BLOCK_TAG = 1 << 25
+# The reduction adds the ranks' blocks in rank order, as ``combine_rows`` does. The messages
+# carry the tags of ``dtensor.comm``'s "dtensor.redistribute" range ([Note: message tags]).
+_TAGS = message_tags("dtensor.redistribute")
 
 
 def _exchange(group, idx: int, k: int, send_to, recv_from) -> list:
     """Post one message per peer of the ``k`` ranks: ``send_to(j)`` goes to rank ``j``, and
     rank ``j``'s lands in ``recv_from(j)``. Blocks with no elements are not sent."""
-    works = []
-    for step in range(1, k):
-        src = (idx - step) % k
-        into = recv_from(src)
-        if into.numel():
-            works.append(group.recv([into], src, _BLOCK_TAG))
-    for step in range(1, k):
-        dst = (idx + step) % k
-        block = send_to(dst)
-        if block.numel():
-            works.append(group.send([block], dst, _BLOCK_TAG))
-    return works
+    return exchange(group, idx, [(send_to, recv_from)], _TAGS)
 
 
 def _buffer(ws, shape, like: torch.Tensor) -> torch.Tensor:
@@ -397,19 +240,8 @@ def _reduce_blocks(local, group, idx: int, dim: int, sizes: list[int], divide_by
 
 def _row_reduction(rows: torch.Tensor, partial: Partial, k: int):
     """(rows to send, combine op, divisor, post-processing) for ``reduce_rows``."""
-    if isinstance(partial, NormPartial):
-        p = partial.norm_type
-        if p == float("inf"):
-            return rows, "max", 1.0, lambda y: y
-        if p == float("-inf"):
-            return rows, "min", 1.0, lambda y: y
-        if p == 0:
-            return rows, "sum", 1.0, lambda y: y
-        return rows.pow(p), "sum", 1.0, lambda y: y.pow_(1.0 / p)
-    op = partial.reduce_op
-    if op == "avg":
-        return rows, "sum", float(k), lambda y: y
-    return rows, op, 1.0, lambda y: y
+    r = reduction_of(partial, k)
+    return r.before(rows), r.op, r.divide_by, lambda y: r.after(y, divide=False)
 
 
 def all_to_all(
@@ -481,32 +313,12 @@ def broadcast(t: torch.Tensor, mesh, mesh_dim: int, src_local_rank: int) -> torc
 
 
 def _prepare_reduce(local: torch.Tensor, partial: Partial, k: int, ws=None):
-    """Buffer (from ``ws`` when given), ReduceOp and post-processing for reducing
+    """Buffer (from ``ws`` when given), ``Reduction`` and post-processing for reducing
     ``partial`` values over ``k`` ranks. Booleans (``any``/``all`` partials) travel as
     bytes: not every backend reduces bools."""
     if local.dtype == torch.bool:
-        x, op, finish = _prepare_reduce(local.to(torch.uint8), partial, k)
-        return x, op, lambda y: finish(y).to(torch.bool)
-    x = _buffer(ws, local.shape, local).copy_(local)
-    if isinstance(partial, NormPartial):
-        p = partial.norm_type
-        if p == float("inf"):
-            return x, dist.ReduceOp.MAX, lambda y: y
-        if p == float("-inf"):
-            return x, dist.ReduceOp.MIN, lambda y: y
-        if p == 0:
-            return x, dist.ReduceOp.SUM, lambda y: y
-        return x.pow_(p), dist.ReduceOp.SUM, lambda y: y.pow_(1.0 / p)
-    op = partial.reduce_op
-    if op == "sum":
-        return x, dist.ReduceOp.SUM, lambda y: y
-    if op == "avg":  # gloo has no AVG: sum, then divide
-        return x, dist.ReduceOp.SUM, lambda y: y.div_(k)
-    if op == "max":
-        return x, dist.ReduceOp.MAX, lambda y: y
-    return x, dist.ReduceOp.MIN, lambda y: y
-
-
-def _dim_label(mesh, mesh_dim: int):
-    names = mesh.mesh_dim_names
-    return names[mesh_dim] if names else mesh_dim
+        x, r, finish = _prepare_reduce(local.to(torch.uint8), partial, k)
+        return x, r, lambda y: finish(y).to(torch.bool)
+    r = reduction_of(partial, k)
+    x = r.before(_buffer(ws, local.shape, local).copy_(local), inplace=True)
+    return x, r, r.after

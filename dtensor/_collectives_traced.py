@@ -25,19 +25,17 @@ rank that fell back to eager still meet:
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from dtensor import _collectives as E
 from dtensor._collectives import Pending
+from dtensor.comm import reduction_of
 from dtensor.placement import Partial, chunk_sizes, padded_chunk_size
 
 # torch 2.13 names them *_single; older releases only have *_tensor.
 _gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-
-_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
 
 
 def tracing(t: torch.Tensor) -> bool:
@@ -110,8 +108,8 @@ def all_gather(local, mesh, mesh_dim: int, tensor_dim: int, full_size: int, *, a
 
 
 def all_reduce(local, mesh, mesh_dim: int, partial: Partial, *, async_op=False):
-    x, op, finish = E._prepare_reduce(local, partial, mesh.size(mesh_dim))
-    return Pending.ready(finish(funcol.all_reduce(x, _OP_NAMES[op], mesh.get_group(mesh_dim))))
+    x, reduction, finish = E._prepare_reduce(local, partial, mesh.size(mesh_dim))
+    return Pending.ready(finish(funcol.all_reduce(x, reduction.op, mesh.get_group(mesh_dim))))
 
 
 def reduce_scatter(
@@ -123,7 +121,7 @@ def reduce_scatter(
     full = local.size(tensor_dim)
     sizes, pad = chunk_sizes(full, k), padded_chunk_size(full, k)
     if E.reduce_scatters_blocks(group, partial):
-        divide_by = float(k) if partial.reduce_op == "avg" else 1.0
+        divide_by = reduction_of(partial, k).divide_by
         return Pending.ready(
             reduce_blocks(local, group.group_name, idx, tensor_dim, sizes, divide_by)
         )

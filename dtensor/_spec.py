@@ -9,7 +9,6 @@ import torch
 from device_mesh import DeviceMesh
 from dtensor.placement import (
     Placement,
-    Shard,
     _StridedShard,
     format_placements,
     local_shape_and_offset,
@@ -40,14 +39,6 @@ class DTensorSpec:
     @property
     def ndim(self) -> int:
         return len(self.meta.shape)
-
-    def shard_dims(self) -> dict[int, list[int]]:
-        """{tensor dim: [mesh dims sharding it, in mesh order]}."""
-        out: dict[int, list[int]] = {}
-        for mesh_dim, p in enumerate(self.placements):
-            if isinstance(p, Shard):
-                out.setdefault(p.dim, []).append(mesh_dim)
-        return out
 
     @property
     def has_strided(self) -> bool:

@@ -11,14 +11,14 @@ rank 0's heap grew to 992-996 MB over four steps against PyTorch's 938 MB, with 
 it free but resident (glibc's ``mallinfo2``; docs/parallel.md, "Collective buffers").
 
 A workspace keeps those buffers instead and hands them out again. ``empty`` returns a tensor
-over a kept buffer of exactly the size asked that nothing else uses, or keeps a new one. A
-buffer is in use while anything but the workspace references its storage: the storage's C++
-reference count (``torch._C._storage_Use_Count``, the check inductor's CUDA-graph trees make)
-counts every tensor, view, autograd saved tensor and collective in flight over it, and the
-Python reference count of its storage object counts a storage handle someone kept
-(``t.untyped_storage()`` returns the workspace's own object). A storage moved to shared memory
-(``share_memory_()``, ``torch.multiprocessing``) or resized leaves the workspace for good. So a
-result that is kept is never handed out twice, and no caller has to give anything back.
+over a kept buffer of exactly the size asked that nothing else uses, or keeps a new one. The
+buffers are ``dtensor.buffers.KeptBuffer``s, handed out under that module's [Note: the buffer
+safety rule] (fsdp2's buffer pool keeps its buffers by the same rule): a buffer is in use
+while anything but the workspace references its storage - a tensor, a view, an autograd
+saved tensor, a collective in flight, a storage handle someone kept. A storage moved to
+shared memory (``share_memory_()``, ``torch.multiprocessing``) or resized leaves the
+workspace for good. So a result that is kept is never handed out twice, and no caller has to
+give anything back.
 Exact sizes mean a tensor from the workspace spans its whole storage, every byte of which
 the collective writes: ``torch.save`` or ``copy.deepcopy`` of it carries nothing stale.
 
@@ -42,12 +42,11 @@ unpickling, or a second mesh over the same ranks, starts without a workspace.
 from __future__ import annotations
 
 import contextlib
-import math
-import sys
 import threading
-from dataclasses import dataclass
 
 import torch
+
+from dtensor.buffers import KeptBuffer, can_tell_free, nbytes_of
 
 MIN_BYTES = 64 << 10
 MAX_BYTES = 32 << 20
@@ -56,24 +55,7 @@ PER_SIZE = 8
 STALE_AFTER = 4096  # requests; a 12-block TP step on the benchmark GPT makes about 300
 
 _KEY = "dtensor.workspace"
-_use_count = getattr(torch._C, "_storage_Use_Count", None)  # absent: no workspace at all
 _bypass = threading.local()
-
-
-@dataclass(eq=False)  # buffers are told apart by identity
-class _Buffer:
-    storage: torch.UntypedStorage
-    nbytes: int
-    last_use: int
-
-    def is_free(self) -> bool:
-        # The one C++ reference and the one Python reference (this attribute; getrefcount
-        # adds its argument) are the workspace's own.
-        return _use_count(self.storage._cdata) == 1 and sys.getrefcount(self.storage) == 2
-
-    def left_the_workspace(self) -> bool:
-        """Resized (e.g. freed by ``resize_(0)``) or moved to shared memory: not ours."""
-        return self.storage.nbytes() != self.nbytes or self.storage.is_shared()
 
 
 class Workspace:
@@ -97,7 +79,7 @@ class Workspace:
 
     def __init__(self, budget: int = DEFAULT_BUDGET) -> None:
         self.budget = budget
-        self._buffers: list[_Buffer] = []
+        self._buffers: list[KeptBuffer] = []
         self._clock = 0
         self._lock = threading.Lock()  # any thread may redistribute over the mesh
         self.hits = self.kept = self.plain = self.evicted = 0
@@ -115,19 +97,19 @@ class Workspace:
             >>> Workspace().empty((4, 65536), torch.float32, "cpu").shape
             torch.Size([4, 65536])
         """
-        need = math.prod(shape) * dtype.itemsize
+        need = nbytes_of(shape, dtype)
         device = torch.device(device)
         if (
             device.type != "cpu"
             or not MIN_BYTES <= need <= MAX_BYTES
-            or _use_count is None
+            or not can_tell_free()
             or getattr(_bypass, "active", False)
         ):
             return torch.empty(shape, dtype=dtype, device=device)
         with self._lock:  # the tensor that marks the buffer busy is made before letting go
             buf = self._take(need)
             if buf is not None:
-                return torch.empty(0, dtype=dtype, device=device).set_(buf.storage, 0, tuple(shape))
+                return buf.tensor(shape, dtype)
         return torch.empty(shape, dtype=dtype, device=device)
 
     def clear(self) -> None:
@@ -141,9 +123,9 @@ class Workspace:
         with self._lock:
             self._buffers.clear()
 
-    def _take(self, need: int) -> _Buffer | None:
+    def _take(self, need: int) -> KeptBuffer | None:
         self._clock += 1
-        gone = [b for b in self._buffers if b.nbytes == need and b.left_the_workspace()]
+        gone = [b for b in self._buffers if b.nbytes == need and b.left_the_keeper()]
         if gone:  # e.g. freed by ``resize_(0)``: not ours to hand out any more
             self._buffers = [b for b in self._buffers if b not in gone]
         same = [b for b in self._buffers if b.nbytes == need]
@@ -155,8 +137,8 @@ class Workspace:
         if len(same) >= PER_SIZE or not self._make_room(need):
             self.plain += 1
             return None
-        storage = torch.empty(need, dtype=torch.uint8, device="cpu").untyped_storage()
-        buf = _Buffer(storage, need, self._clock)
+        buf = KeptBuffer.new(need)
+        buf.last_use = self._clock
         self._buffers.append(buf)
         self.kept += 1
         return buf
@@ -164,7 +146,7 @@ class Workspace:
     def _make_room(self, need: int) -> bool:
         """Whether ``need`` more bytes fit the budget, evicting stale free buffers (the
         longest unused first) if that makes them fit; nothing is evicted otherwise."""
-        self._buffers = [b for b in self._buffers if not b.left_the_workspace()]
+        self._buffers = [b for b in self._buffers if not b.left_the_keeper()]
         over = self.held_bytes + need - self.budget
         if over <= 0:
             return True

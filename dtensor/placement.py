@@ -190,6 +190,11 @@ class _StridedShard(Shard):
         return f"_S({self.dim}, {self.split_factor})"
 
 
+# The public name of ``_StridedShard``, for libraries that lay out FSDP over tensor
+# parallelism (fsdp2); the class keeps PyTorch's private name, which its repr shows.
+StridedShard = _StridedShard
+
+
 class Replicate(Placement):
     """Every rank of the mesh dim holds the whole tensor."""
 
@@ -331,11 +336,6 @@ def chunk_offsets(size: int, num_chunks: int) -> list[int]:
 def padded_chunk_size(size: int, num_chunks: int) -> int:
     """The largest shard: ``ceil(size / num_chunks)``; every padded shard has this size."""
     return -(-size // num_chunks) if size else 0
-
-
-def padded_size(size: int, num_chunks: int) -> int:
-    """``padded_chunk_size * num_chunks``: the size an all-gather of padded shards produces."""
-    return padded_chunk_size(size, num_chunks) * num_chunks
 
 
 def normalize_placements(placements, mesh_ndim: int, tensor_ndim: int, *, api: str):

@@ -309,10 +309,6 @@ def _grad_target(placements):
     return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
 
 
-def make_dtensor(local: torch.Tensor, spec: DTensorSpec, *, requires_grad=False) -> DTensor:
-    return DTensor(local, spec, requires_grad=requires_grad)
-
-
 def redistribute_dtensor(dt: DTensor, placements, *, async_op=False) -> DTensor:
     """Non-differentiable redistribute used inside dispatch (autograd is above us there)."""
     placements = tuple(placements)

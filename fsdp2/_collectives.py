@@ -13,7 +13,7 @@ slot holds that rank's block of the parameter.
   into every rank's unsharded parameter, and a gradient block straight from the unsharded
   gradient to the rank that keeps it; nothing is staged but the blocks a reduction receives.
 * **staged**: the shards are copied into one row, gathered with the padded row collectives
-  of ``dtensor._collectives`` (``all_gather_rows`` / ``reduce_rows``: an all-to-all on gloo,
+  of ``dtensor.comm`` (``all_gather_rows`` / ``reduce_rows``: an all-to-all on gloo,
   a real all-gather / reduce-scatter on NCCL) and copied out. Smaller groups take it on
   gloo, where one message per peer costs more than the copies; every group on NCCL.
 * **post-forward** (``reshard_after_forward=k``): the staged route over the smaller group,
@@ -27,17 +27,19 @@ primitives. ``dtensor.debug`` records every route by meaning: one ``all_gather``
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.distributed as dist
 
 from dtensor import debug
-from dtensor._collectives import (
+from dtensor.buffers import KeptBuffer, nbytes_of
+from dtensor.comm import (
     Pending,
-    _dim_label,
     all_gather_rows,
     backend_is_gloo,
+    exchange,
+    mesh_dim_label,
+    message_tags,
     reduce_rows,
     sum_into,
 )
@@ -58,39 +60,53 @@ class BufferPool:
     (gradient rows carry flags) share one set. At most ``keep`` buffers are held. Off the
     CPU it allocates fresh: the CUDA caching allocator already reuses memory, per stream.
 
+    Buffers come back with ``put`` once their collective finished; one is handed out again
+    only when nothing else references it any more (``dtensor.buffers``' [Note: the buffer
+    safety rule], which DTensor's collective workspace follows too), so a buffer given back
+    while a view of it is still read is never written under that reader. Counters: ``hits``
+    (served by a kept buffer) and ``busy`` (a kept buffer would have fit but was still
+    referenced).
+
     Example::
 
         >>> pool = BufferPool(keep=2)
         >>> a = pool.get((4, 1000), torch.float32, "cpu")
+        >>> ptr = a.data_ptr()
         >>> pool.put(a)
-        >>> pool.get((4, 1000), torch.float32, "cpu").data_ptr() == a.data_ptr()
+        >>> del a                              # nothing references it any more
+        >>> pool.get((4, 1000), torch.float32, "cpu").data_ptr() == ptr
         True
     """
 
     def __init__(self, keep: int) -> None:
         self.keep = keep
-        self._free: list[torch.UntypedStorage] = []
+        self._free: list[KeptBuffer] = []
+        self.hits = self.busy = 0
 
     def get(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
         if torch.device(device).type != "cpu":
             return torch.empty(shape, dtype=dtype, device=device)
-        need = math.prod(shape) * dtype.itemsize
-        fits = [s for s in self._free if need <= s.nbytes() <= need + max(need // 8, _HUGE_PAGE)]
+        need = nbytes_of(shape, dtype)
+        slack = max(need // 8, _HUGE_PAGE)
+        sized = [b for b in self._free if need <= b.nbytes <= need + slack]
+        fits = [b for b in sized if b.is_free()]
+        self.busy += len(sized) > len(fits) and not fits
         if fits:
-            storage = min(fits, key=lambda s: s.nbytes())
-            self._free.remove(storage)
+            buf = min(fits, key=lambda b: b.nbytes)
+            self._free.remove(buf)
+            self.hits += 1
         elif self.keep:
             # Untouched bytes at the end of the headroom never become resident.
             capacity = -(-(need + _HEADROOM) // _HUGE_PAGE) * _HUGE_PAGE
-            storage = _host_memory.empty((capacity,), torch.uint8, device).untyped_storage()
+            buf = KeptBuffer.of(_host_memory.empty((capacity,), torch.uint8, device))
         else:
             return _host_memory.empty(tuple(shape), dtype, device)
-        return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
+        return buf.tensor(shape, dtype)
 
     def put(self, t: torch.Tensor) -> None:
         if t.device.type != "cpu" or len(self._free) >= self.keep:
             return  # dropped: its mapping goes back to the kernel ([Note: host memory])
-        self._free.append(t.untyped_storage())
+        self._free.append(KeptBuffer.of(t))
 
     def clear(self) -> None:
         self._free.clear()
@@ -368,11 +384,12 @@ def _gradient_rows(params, grads, dtype, device, pool) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- point to point
-# Message tags: a parameter's index within its group, offset so that an all-gather and a
+# Message tags: a parameter's index within its group, in a range of its own for all-gathers
+# and for reductions (``dtensor.comm``'s [Note: message tags]), so that an all-gather and a
 # reduction in flight at once never share one. Within each, gloo matches the messages of
 # one tag between two ranks in the order they were posted.
-_GATHER_TAG = 0
-_REDUCE_TAG = 1 << 24
+_GATHER_TAGS = message_tags("fsdp2.all_gather")
+_REDUCE_TAGS = message_tags("fsdp2.reduce_scatter")
 
 
 class _Exchange:
@@ -409,18 +426,12 @@ def gather_blocks(
     must call it for the same parameters in the same order: gloo matches the messages of
     one tag in posting order.
     """
-    size = group.size()
-    debug.record("all_gather", _dim_label(mesh, label), size, row_bytes)
-    works = []
-    for tag, (_, blocks, counts) in enumerate(pieces):
-        for step in range(1, size):
-            src = (rank - step) % size
-            if counts[src]:
-                works.append(group.recv([blocks[src, : counts[src]]], src, _GATHER_TAG + tag))
-    for tag, (send, _, counts) in enumerate(pieces):
-        if counts[rank]:
-            for step in range(1, size):
-                works.append(group.send([send], (rank + step) % size, _GATHER_TAG + tag))
+    debug.record("all_gather", mesh_dim_label(mesh, label), group.size(), row_bytes)
+    messages = [
+        (lambda j, send=send: send, lambda j, blocks=blocks, counts=counts: blocks[j, : counts[j]])
+        for send, blocks, counts in pieces
+    ]
+    works = exchange(group, rank, messages, _GATHER_TAGS)
     return _Exchange(works, [send for send, _, _ in pieces])
 
 
@@ -448,55 +459,69 @@ def reduce_blocks(
     ranks send are staged (one row per peer).
     """
     size = group.size()
-    debug.record("reduce_scatter", _dim_label(mesh, label), size, size * width * flags.itemsize)
-    others = [r for r in range(size) if r != rank]  # row i of recv: the i-th other rank
-    recv = (
-        pool.get((size - 1, width), flags.dtype, flags.device)
-        if pool is not None
-        else torch.empty((size - 1, width), dtype=flags.dtype, device=flags.device)
-    )
-    n_values = width - flags.numel()
-    works = []
-    flags_tag = _REDUCE_TAG + len(pieces)
-    for i, src in enumerate(others):
-        for tag, (_, _, counts, slot) in enumerate(pieces):
-            if counts[rank]:
-                into = recv[i, slot : slot + counts[rank]]
-                works.append(group.recv([into], src, _REDUCE_TAG + tag))
-        works.append(group.recv([recv[i, n_values:]], src, flags_tag))
-    for dst in others:
-        for tag, (grad, padded, counts, _) in enumerate(pieces):
-            if counts[dst]:
-                block = grad[dst * padded : dst * padded + counts[dst]]
-                works.append(group.send([block], dst, _REDUCE_TAG + tag))
-        works.append(group.send([flags], dst, flags_tag))
+    debug.record("reduce_scatter", mesh_dim_label(mesh, label), size, size * width * flags.itemsize)
+    shape = (size - 1, width)  # row i: what the i-th other rank sent
+    if pool is not None:
+        recv = pool.get(shape, flags.dtype, flags.device)
+    else:
+        recv = torch.empty(shape, dtype=flags.dtype, device=flags.device)
+    works = exchange(group, rank, _reduce_messages(pieces, flags, recv, rank), _REDUCE_TAGS)
+
+    def finish() -> torch.Tensor:
+        total = _sum_in_rank_order(pieces, flags, recv, rank)
+        if pool is not None:
+            pool.put(recv)
+        return total.div_(divide_by) if divide_by != 1 else total
+
+    return Pending(_Exchange(works, [p[0] for p in pieces] + [flags]), finish)
+
+
+def _reduce_messages(pieces, flags: torch.Tensor, recv: torch.Tensor, rank: int) -> list:
+    """``exchange``'s messages for ``reduce_blocks``: per parameter, peer ``j``'s block of
+    the gradient, received into its slot of ``recv``; then the flags."""
+
+    def row(j: int) -> int:  # recv's row for peer j
+        return j if j < rank else j - 1
+
+    messages = []
+    for grad, padded, counts, slot in pieces:
+        n = counts[rank]
+        messages.append(
+            (
+                lambda j, g=grad, pad=padded, c=counts: g[j * pad : j * pad + c[j]],
+                lambda j, slot=slot, n=n: recv[row(j), slot : slot + n],
+            )
+        )
+    n_values = recv.size(1) - flags.numel()
+    messages.append((lambda j: flags, lambda j: recv[row(j), n_values:]))
+    return messages
+
+
+def _sum_in_rank_order(pieces, flags: torch.Tensor, recv: torch.Tensor, rank: int):
+    """This rank's reduced row: its own blocks and flags added to the received ones in rank
+    order, the padding after each parameter's block zeroed (not yet divided)."""
 
     def in_rank_order(own: torch.Tensor, received: torch.Tensor) -> list[torch.Tensor]:
         return [*received[:rank], own, *received[rank:]]
 
-    def finish() -> torch.Tensor:
-        total = torch.empty(width, dtype=flags.dtype, device=flags.device)
-        for grad, padded, counts, slot in pieces:
-            n = counts[rank]
-            own = grad[rank * padded : rank * padded + n]
-            sum_into(total[slot : slot + n], in_rank_order(own, recv[:, slot : slot + n]))
-            if n < padded:
-                total[slot + n : slot + padded].zero_()
-        sum_into(total[n_values:], in_rank_order(flags, recv[:, n_values:]))
-        if pool is not None:
-            pool.put(recv)
-        if divide_by != 1:
-            total.div_(divide_by)
-        return total
-
-    return Pending(_Exchange(works, [p[0] for p in pieces] + [flags]), finish)
+    width = recv.size(1)
+    n_values = width - flags.numel()
+    total = torch.empty(width, dtype=flags.dtype, device=flags.device)
+    for grad, padded, counts, slot in pieces:
+        n = counts[rank]
+        own = grad[rank * padded : rank * padded + n]
+        sum_into(total[slot : slot + n], in_rank_order(own, recv[:, slot : slot + n]))
+        if n < padded:
+            total[slot + n : slot + padded].zero_()
+    sum_into(total[n_values:], in_rank_order(flags, recv[:, n_values:]))
+    return total
 
 
 def all_reduce_sum(t: torch.Tensor, group, *, label=None, mesh=None) -> None:
     """In-place synchronous sum over ``group`` (HSDP: across replicas)."""
     debug.record(
         "all_reduce",
-        _dim_label(mesh, label),
+        mesh_dim_label(mesh, label),
         dist.get_world_size(group),
         t.numel() * t.element_size(),
     )

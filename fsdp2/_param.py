@@ -35,14 +35,22 @@ from torch.utils._pytree import tree_leaves
 
 from device_mesh import DeviceMesh
 from dtensor import DTensor
-from dtensor._spec import DTensorSpec, TensorMeta, contiguous_stride
 from dtensor.placement import (
     Replicate,
     Shard,
-    _StridedShard,
+    StridedShard,
     chunk_offsets,
     chunk_sizes,
     padded_chunk_size,
+)
+from dtensor.spec import (
+    DTensorSpec,
+    TensorMeta,
+    contiguous_stride,
+    from_spec,
+    local_of,
+    set_local,
+    spec_of,
 )
 from dtensor.tensor import redistribute_dtensor
 from fsdp2._storage import UnshardedStorage
@@ -98,7 +106,7 @@ def _spmd_layout(info: MeshInfo, shard_dim: int, tp_spec: DTensorSpec | None):
 
     Plain: the FSDP mesh with ``(Shard(d),)`` or HSDP's ``(Replicate(), Shard(d))``. Over
     tensor parallelism: the FSDP mesh's dims then the TP mesh's, with the TP placements last;
-    when TP already shards ``d``, FSDP's shard splits inside TP's (``_StridedShard``), as
+    when TP already shards ``d``, FSDP's shard splits inside TP's (``StridedShard``), as
     PyTorch lays it out.
     """
     if tp_spec is None:
@@ -108,7 +116,7 @@ def _spmd_layout(info: MeshInfo, shard_dim: int, tp_spec: DTensorSpec | None):
     for i, p in enumerate(tp_spec.placements):
         if isinstance(p, Shard) and p.dim == shard_dim:
             split *= tp_spec.mesh.size(i)
-    fsdp = _StridedShard(shard_dim, split) if split > 1 else Shard(shard_dim)
+    fsdp = StridedShard(shard_dim, split) if split > 1 else Shard(shard_dim)
     dp = (Replicate(), fsdp) if info.replicate_mesh_dim is not None else (fsdp,)
     return mesh, (*dp, *tp_spec.placements)
 
@@ -186,9 +194,9 @@ class FSDPParam:
         # tensor-parallel mesh is sharded by its local tensor: FSDP's shape is the TP-local
         # shape, the all-gather restores the TP-local tensor, and the module computes with a
         # DTensor on the TP mesh. At rest it is one DTensor on the concatenated mesh.
-        self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
+        self.tp_spec: DTensorSpec | None = spec_of(param) if isinstance(param, DTensor) else None
         self.global_shape = param.shape
-        self.shape = param._local_tensor.shape if self.tp_spec is not None else param.shape
+        self.shape = local_of(param).shape if self.tp_spec is not None else param.shape
         self.spmd_mesh, self.placements = _spmd_layout(mesh_info, shard_dim, self.tp_spec)
         self._original = weakref.ref(param)
         self.pin_memory = pin_memory  # CPU offload: keep the shard in page-locked memory
@@ -251,7 +259,7 @@ class FSDPParam:
     def _shard(self, param: nn.Parameter, device: torch.device) -> nn.Parameter:
         info = self.mesh_info
         offset = chunk_offsets(self.rows, info.shard_size)[info.shard_rank]
-        data = param._local_tensor.detach() if self.tp_spec is not None else param.detach()
+        data = local_of(param).detach() if self.tp_spec is not None else param.detach()
         local = data.narrow(self.shard_dim, offset, self.local_rows)
         target = data.device if data.device.type == "meta" else device
         local = local.to(target, memory_format=torch.contiguous_format, copy=True)
@@ -263,19 +271,19 @@ class FSDPParam:
             self.placements,
             TensorMeta(shape, contiguous_stride(shape), param.dtype),
         )
-        dt = DTensor(local, spec, requires_grad=False)
+        dt = from_spec(local, spec)
         return nn.Parameter(dt, requires_grad=param.requires_grad)
 
     @property
     def local(self) -> torch.Tensor:
         """This rank's shard (a plain tensor), read from the current sharded parameter."""
-        return self.sharded_param._local_tensor
+        return local_of(self.sharded_param)
 
     def pin_local(self) -> None:
         """Move the shard into page-locked host memory (after ``to_empty(device="cpu")``
         made a fresh, pageable one), so device copies of it can be asynchronous."""
         if self.pin_memory and not self.local.is_pinned():
-            self.sharded_param._local_tensor = self.local.pin_memory()
+            set_local(self.sharded_param, self.local.pin_memory())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -345,7 +353,7 @@ class FSDPParam:
         """Python references to the unsharded parameter and (tensor parallel) to its local
         tensor, and C++ users of its storage (every tensor and view over it)."""
         param = self.unsharded_param
-        local = _python_references(param._local_tensor) if self.tp_spec is not None else 0
+        local = _python_references(local_of(param)) if self.tp_spec is not None else 0
         storage = _use_count(self.storage.tensor.untyped_storage()._cdata)
         return _python_references(param), local, storage
 
@@ -387,7 +395,7 @@ class FSDPParam:
         local = self.local
         current = self.unsharded_param
         if current is not None:
-            mine = current._local_tensor if self.tp_spec is not None else current
+            mine = local_of(current) if self.tp_spec is not None else current
             if mine.data_ptr() == local.data_ptr() and mine.shape == local.shape:
                 return
         grad = current.grad if current is not None else None
@@ -401,7 +409,7 @@ class FSDPParam:
         """The TP-local tensor ``local`` as the DTensor the module computes with."""
         spec = self.tp_spec
         meta = TensorMeta(spec.shape, spec.meta.stride, local.dtype)
-        return DTensor(local, DTensorSpec(spec.mesh, spec.placements, meta), requires_grad=False)
+        return from_spec(local, DTensorSpec(spec.mesh, spec.placements, meta))
 
     def _tp_local_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """A gradient of the unsharded parameter as a plain TP-local tensor: a DTensor
@@ -411,7 +419,7 @@ class FSDPParam:
             return grad
         if grad.placements != self.tp_spec.placements:
             grad = redistribute_dtensor(grad, self.tp_spec.placements)
-        return grad._local()
+        return local_of(grad)
 
     # ------------------------------------------------------------------------- registration
     def register(self, tensor: torch.Tensor) -> None:
@@ -476,7 +484,7 @@ class FSDPParam:
         local_grad = local_grad.to(device=self.local.device, dtype=self.dtype)
         existing = self.sharded_param.grad
         if existing is None:
-            spec = self.sharded_param._spec
-            self.sharded_param.grad = DTensor(local_grad, spec, requires_grad=False)
+            spec = spec_of(self.sharded_param)
+            self.sharded_param.grad = from_spec(local_grad, spec)
         else:
-            existing._local().add_(local_grad)
+            local_of(existing).add_(local_grad)

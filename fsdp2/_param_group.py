@@ -66,7 +66,7 @@ class PostForwardMesh:
     """
 
     def __init__(self, ranks: list[int], my_pos: int, k: int, backend: str) -> None:
-        from device_mesh._groups import get_group, hold
+        from device_mesh.groups import get_group, hold
 
         self.size = k
         self.index = my_pos % k
@@ -76,7 +76,7 @@ class PostForwardMesh:
 
     @property
     def group(self):
-        from device_mesh._groups import resolve
+        from device_mesh.groups import resolve
 
         return resolve(self._group, api="fully_shard(reshard_after_forward=int)")
 

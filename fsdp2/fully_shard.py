@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from device_mesh import DeviceMesh, as_device_mesh, init_device_mesh
-from device_mesh._groups import backend_for
+from device_mesh.groups import backend_for
 from dtensor import DTensor
 from dtensor.placement import Shard, from_torch_placement
 from dtensor.tensor import is_torch_dtensor, torch_dtensor_message
@@ -111,25 +111,43 @@ def fully_shard(
         raise TypeError(f"{_API}: check_freed must be a bool, got {check_freed!r}.")
     mp_policy = as_mp_policy(mp_policy)
     offload_policy = as_offload_policy(offload_policy)
-    plan = _collect_params(modules, _ignored_ids(ignored_params))
-    _check_params(plan, device)
-    _check_tensor_parallel(plan, mesh)
-    dims = [_shard_dim(shard_placement_fn, p, plan.names[id(p)]) for p, _ in plan.new]
-    _check_take_overs(plan, info)
+    plan = _checked_plan(modules, mesh, info, device, ignored_params, shard_placement_fn)
     # 2. process groups
     post_forward = _post_forward_mesh(reshard_after_forward, mesh, info)
     # 3. build the sharded parameters (modules still untouched)
-    shard_device, pin = _shard_storage(offload_policy, device)
-    built = {
-        id(p): FSDPParam(p, locations, info, dim, shard_device, pin_memory=pin)
-        for (p, locations), dim in zip(plan.new, dims, strict=True)
-    }
+    built = _build(plan, info, device, offload_policy)
     # 4. install
     params = _install(plan, built, modules)
     group = None
     if params:
         group = FSDPParamGroup(params, info, device, mp_policy, offload_policy, post_forward)
         group.modules = modules
+    _install_state(modules, group, plan, mp_policy, reshard_after_forward, check_freed)
+    install_optimizer_check()
+    return module
+
+
+def _checked_plan(modules, mesh, info, device, ignored_params, shard_placement_fn) -> _Plan:
+    """What this call will shard and take over, every parameter checked (no changes)."""
+    plan = _collect_params(modules, _ignored_ids(ignored_params))
+    _check_params(plan, device)
+    _check_tensor_parallel(plan, mesh)
+    plan.dims = [_shard_dim(shard_placement_fn, p, plan.names[id(p)]) for p, _ in plan.new]
+    _check_take_overs(plan, info)
+    return plan
+
+
+def _build(plan: _Plan, info: MeshInfo, device: torch.device, offload_policy) -> dict:
+    """``{id(param): FSDPParam}``: the sharded parameters of ``plan.new``, not installed."""
+    shard_device, pin = _shard_storage(offload_policy, device)
+    return {
+        id(p): FSDPParam(p, locations, info, dim, shard_device, pin_memory=pin)
+        for (p, locations), dim in zip(plan.new, plan.dims, strict=True)
+    }
+
+
+def _install_state(modules, group, plan: _Plan, mp_policy, reshard_after_forward, check_freed):
+    """Give the modules their ``FSDPState`` and make each an ``FSDPModule``."""
     rab = reshard_after_forward
     if isinstance(rab, int) and not isinstance(rab, bool):
         rab = rab != 1
@@ -141,8 +159,6 @@ def fully_shard(
     for m in modules:
         m.__dict__["_fsdp_state"] = state
         swap_class(m)
-    install_optimizer_check()
-    return module
 
 
 # --------------------------------------------------------------------------------- collecting
@@ -154,7 +170,8 @@ class _Plan:
     ``new``: ``(param, locations)`` to shard; ``taken``: ``{id(FSDPParam): (it, new
     locations)}`` tied parameters moved in from inner calls; ``pending``: ties for an
     enclosing call to resolve; ``nested``: fully_shard states directly below;
-    ``moved_up``: pending ties of nested states, now this call's (resolved or pending).
+    ``moved_up``: pending ties of nested states, now this call's (resolved or pending);
+    ``names``: ``{id(param): name}`` of ``new``; ``dims``: the shard dim of each of ``new``.
     """
 
     order: list = field(default_factory=list)
@@ -164,72 +181,90 @@ class _Plan:
     nested: list = field(default_factory=list)
     moved_up: list = field(default_factory=list)
     names: dict = field(default_factory=dict)
+    dims: list = field(default_factory=list)
 
 
 def _collect_params(modules, ignored: set[int]) -> _Plan:
     """Walk the modules (not into inner fully_shard calls) and sort every parameter."""
-    plan = _Plan()
-    subtree = {id(m) for top in modules for m in top.modules()}
-    new: dict[int, tuple] = {}
-    visited: set[int] = set()
+    walk = _Walk(modules, ignored)
+    for i, m in enumerate(modules):
+        walk.visit(m, f"[{i}]." if len(modules) > 1 else "", top=True)
+    walk.bring_up_nested_ties()
+    plan = walk.plan
+    plan.new = [walk.new[id(p)] for kind, p in plan.order if kind == "new"]
+    return plan
 
-    def take(owner: FSDPParam, module: nn.Module, attr: str) -> None:
-        entry = plan.taken.get(id(owner))
-        if entry is None:
-            entry = plan.taken[id(owner)] = (owner, [])
-            plan.order.append(("take", owner))
-        entry[1].append((module, attr))
 
-    def visit(m: nn.Module, prefix: str, top: bool) -> None:
-        if id(m) in visited:
+class _Walk:
+    """One walk of ``_collect_params`` over the modules of a call, filling ``plan``."""
+
+    def __init__(self, modules, ignored: set[int]) -> None:
+        self.plan = _Plan()
+        self.ignored = ignored
+        self.subtree = {id(m) for top in modules for m in top.modules()}
+        self.new: dict[int, tuple] = {}  # id(param) -> (param, locations)
+        self.visited: set[int] = set()
+
+    def visit(self, m: nn.Module, prefix: str, top: bool) -> None:
+        """Sort ``m``'s parameters, then its children's; stop at an inner call's module."""
+        if id(m) in self.visited:
             return
-        visited.add(id(m))
+        self.visited.add(id(m))
         state = m.__dict__.get("_fsdp_state")
         if state is not None and not top:
-            if all(state is not s for s in plan.nested):  # a list call: met once per module
-                plan.nested.append(state)
+            if all(state is not s for s in self.plan.nested):  # a list call: met once per module
+                self.plan.nested.append(state)
             return
         for attr, p in m._parameters.items():
-            if p is None or id(p) in ignored:
-                continue
-            name = prefix + attr
-            if is_managed(p):
-                raise RuntimeError(
-                    f"{_API}: parameter {name!r} was already sharded by fully_shard on "
-                    f"{p._fsdp_managed}, which contains this module. Call fully_shard on "
-                    "inner modules first (each block), then on the modules that contain them "
-                    "(the root last)."
-                )
-            owner = replaced_by(p)
-            if owner is not None:
-                if _covers(owner, subtree):
-                    take(owner, m, attr)
-                else:
-                    plan.pending.append((owner, m, attr))
-                continue
-            entry = new.get(id(p))
-            if entry is None:
-                new[id(p)] = (p, [(m, attr)])
-                plan.order.append(("new", p))
-                plan.names[id(p)] = name
-            else:
-                entry[1].append((m, attr))
+            if p is not None and id(p) not in self.ignored:
+                self._sort(m, attr, p, prefix + attr)
         for child_name, child in m._modules.items():
             if child is not None:
-                visit(child, f"{prefix}{child_name}.", False)
+                self.visit(child, f"{prefix}{child_name}.", False)
 
-    for i, m in enumerate(modules):
-        visit(m, f"[{i}]." if len(modules) > 1 else "", True)
-    for state in plan.nested:  # ties inner calls could not resolve come up to this one
-        for tie in state.pending_ties:
-            owner, m, attr = tie
-            if _covers(owner, subtree) and id(m) in subtree:
-                take(owner, m, attr)
+    def _sort(self, m: nn.Module, attr: str, p: nn.Parameter, name: str) -> None:
+        """``p`` (at ``m.attr``) is new to this call, a tie to take over or leave pending,
+        or an error (already sharded by an enclosing call)."""
+        if is_managed(p):
+            raise RuntimeError(
+                f"{_API}: parameter {name!r} was already sharded by fully_shard on "
+                f"{p._fsdp_managed}, which contains this module. Call fully_shard on "
+                "inner modules first (each block), then on the modules that contain them "
+                "(the root last)."
+            )
+        owner = replaced_by(p)
+        if owner is not None:
+            if _covers(owner, self.subtree):
+                self._take(owner, m, attr)
             else:
-                plan.pending.append(tie)
-            plan.moved_up.append((state, tie))
-    plan.new = [new[id(p)] for kind, p in plan.order if kind == "new"]
-    return plan
+                self.plan.pending.append((owner, m, attr))
+            return
+        entry = self.new.get(id(p))
+        if entry is None:
+            self.new[id(p)] = (p, [(m, attr)])
+            self.plan.order.append(("new", p))
+            self.plan.names[id(p)] = name
+        else:
+            entry[1].append((m, attr))
+
+    def _take(self, owner: FSDPParam, module: nn.Module, attr: str) -> None:
+        entry = self.plan.taken.get(id(owner))
+        if entry is None:
+            entry = self.plan.taken[id(owner)] = (owner, [])
+            self.plan.order.append(("take", owner))
+        entry[1].append((module, attr))
+
+    def bring_up_nested_ties(self) -> None:
+        """Ties inner calls could not resolve come up to this one: taken over when this
+        call covers them, else left pending for an enclosing call."""
+        for state in self.plan.nested:
+            for tie in state.pending_ties:
+                owner, m, attr = tie
+                if _covers(owner, self.subtree) and id(m) in self.subtree:
+                    self._take(owner, m, attr)
+                else:
+                    self.plan.pending.append(tie)
+                self.plan.moved_up.append((state, tie))
 
 
 def _covers(owner: FSDPParam, subtree: set[int]) -> bool:
@@ -288,7 +323,7 @@ def _as_modules(module) -> tuple[nn.Module, ...]:
 def _default_mesh() -> DeviceMesh:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if not dist.is_initialized():
-        from device_mesh._groups import ensure_default_group
+        from device_mesh.groups import ensure_default_group
 
         ensure_default_group(device_type)
     return init_device_mesh(device_type, (dist.get_world_size(),))

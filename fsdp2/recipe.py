@@ -57,20 +57,10 @@ def parallelize_transformer(
         >>> parallelize_transformer(model, mesh, tp_plan=tp_plan())
         >>> opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     """
-    mesh = as_device_mesh(mesh, api=_API)
+    mesh = _named_mesh(mesh)
     names = mesh.mesh_dim_names
-    if names is None or any(n not in _DIMS for n in names):
-        raise ValueError(
-            f"{_API}: mesh dims must be named from {_DIMS}, got {names}. Build it with "
-            'init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")).'
-        )
     blocks = _blocks(model, blocks)
-    tp_size = mesh.size(names.index("tp")) if "tp" in names else 1
-    if tp_size > 1:
-        if not tp_plan:
-            raise ValueError(f"{_API}: the mesh has a 'tp' dim of size {tp_size} but no tp_plan.")
-        _check_divisible(model, tp_size)
-    dp = tuple(n for n in names if n != "tp")
+    tp_size = _tp_size(model, mesh, tp_plan)
     # 1. tensor parallelism
     if tp_size > 1:
         from dtensor.parallel import parallelize_module
@@ -78,24 +68,60 @@ def parallelize_transformer(
         parallelize_module(model, mesh["tp"], tp_plan)
     # 2-3. activation checkpointing and compile, per block
     for block in blocks:
-        if activation_checkpointing:
-            from torch.distributed._composable import checkpoint
-
-            checkpoint(block)
-        if compile:  # the forward only: FSDP's and checkpointing's hooks stay eager
-            kw = {"backend": compile} if isinstance(compile, str) else {}
-            block.forward = torch.compile(block.forward, **kw)
+        _wrap_block(block, activation_checkpointing, compile)
     # 4. FSDP / HSDP
+    dp = tuple(n for n in names if n != "tp")
     if dp:
-        dp_mesh = mesh[dp]
-        kw = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
-        for block in blocks:
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kw)
-        fully_shard(model, mesh=dp_mesh, **kw)
+        policy = mp_policy or MixedPrecisionPolicy()
+        _shard(model, blocks, mesh[dp], policy, reshard_after_forward)
     logger.info(
         "%s: mesh %s, tp=%d, %d blocks", _API, dict(zip(names, mesh.shape)), tp_size, len(blocks)
     )
     return model
+
+
+def _named_mesh(mesh) -> DeviceMesh:
+    """``mesh`` as our DeviceMesh, its dims named from ``_DIMS``."""
+    mesh = as_device_mesh(mesh, api=_API)
+    names = mesh.mesh_dim_names
+    if names is None or any(n not in _DIMS for n in names):
+        raise ValueError(
+            f"{_API}: mesh dims must be named from {_DIMS}, got {names}. Build it with "
+            'init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")).'
+        )
+    return mesh
+
+
+def _tp_size(model: nn.Module, mesh: DeviceMesh, tp_plan) -> int:
+    """The size of the "tp" dim (1 without one); a larger one needs a plan and a model
+    whose config divides by it."""
+    names = mesh.mesh_dim_names
+    tp_size = mesh.size(names.index("tp")) if "tp" in names else 1
+    if tp_size > 1:
+        if not tp_plan:
+            raise ValueError(f"{_API}: the mesh has a 'tp' dim of size {tp_size} but no tp_plan.")
+        _check_divisible(model, tp_size)
+    return tp_size
+
+
+def _wrap_block(block: nn.Module, activation_checkpointing: bool, compile: bool | str) -> None:
+    """Checkpoint ``block`` and compile its forward, as asked."""
+    if activation_checkpointing:
+        from torch.distributed._composable import checkpoint
+
+        checkpoint(block)
+    if compile:  # the forward only: FSDP's and checkpointing's hooks stay eager
+        kw = {"backend": compile} if isinstance(compile, str) else {}
+        block.forward = torch.compile(block.forward, **kw)
+
+
+def _shard(model, blocks, dp_mesh: DeviceMesh, mp_policy, reshard_after_forward) -> None:
+    """``fully_shard`` on each block, then on the root."""
+    for block in blocks:
+        fully_shard(
+            block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy
+        )
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
 
 
 def _blocks(model: nn.Module, blocks) -> list[nn.Module]:

@@ -22,7 +22,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from device_mesh import _groups, init_device_mesh
+from device_mesh import groups as _groups
+from device_mesh import init_device_mesh
 from dtensor import DTensor, Shard
 from dtensor.debug import CommDebugMode
 from examples.gpt import GPT, gpt_loss

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import pytest
 
-from device_mesh import _groups
+from device_mesh import groups as _groups
 
 # One fresh interpreter (a default group in pytest's own process would leak into other tests).
 LONE_PROCESS_SCRIPT = textwrap.dedent(
@@ -27,7 +27,7 @@ LONE_PROCESS_SCRIPT = textwrap.dedent(
         return real_init(*args, **kwargs)
 
     dist.init_process_group = recording_init
-    from device_mesh import _groups, init_device_mesh
+    from device_mesh import groups as _groups, init_device_mesh
     from dtensor import checkpoint as dcp
     from dtensor.checkpoint._comm import Group
 

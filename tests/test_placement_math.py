@@ -192,3 +192,40 @@ def test_pytorch_placements_are_instances_of_ours_and_convert():
     assert from_torch_placement(masked) is masked and Partial() != masked
     with pytest.raises(TypeError, match=r"placement_types\._MaskPartial"):
         normalize_placements([masked], 1, 2, api="x")
+
+
+# --------------------------------------------------------------------------- dtensor.comm
+def test_reduction_of_every_partial():
+    from dtensor.comm import Reduction, reduction_of
+
+    inf = float("inf")
+    assert reduction_of(Partial("sum"), 4) == Reduction("sum")
+    assert reduction_of(Partial("avg"), 4) == Reduction("sum", divide_by=4.0)
+    assert reduction_of(Partial("max"), 4) == Reduction("max")
+    assert reduction_of(Partial("min"), 4) == Reduction("min")
+    assert reduction_of(NormPartial(inf), 4) == Reduction("max")
+    assert reduction_of(NormPartial(-inf), 4) == Reduction("min")
+    assert reduction_of(NormPartial(0), 4) == Reduction("sum")
+    r = reduction_of(NormPartial(3.0), 4)
+    assert r == Reduction("sum", power=3.0)
+    # what two ranks' partial 3-norms reduce to: (a^3 + b^3)^(1/3)
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([2.0, 0.5])
+    got = r.after(r.before(a) + r.before(b))
+    torch.testing.assert_close(got, torch.stack([a, b]).norm(p=3, dim=0))
+    avg = reduction_of(Partial("avg"), 2)
+    torch.testing.assert_close(avg.after(torch.tensor([4.0])), torch.tensor([2.0]))
+    torch.testing.assert_close(avg.after(torch.tensor([4.0]), divide=False), torch.tensor([4.0]))
+
+
+def test_message_tag_ranges_are_disjoint_and_bounded():
+    from dtensor import comm
+
+    ranges = [comm.message_tags(name) for name in comm._TAG_RANGES]
+    spans = sorted((t.first, t.first + len(t)) for t in ranges)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    tags = comm.message_tags("dtensor.redistribute")
+    assert tags[0] == tags.first
+    with pytest.raises(IndexError, match="outside 'dtensor.redistribute'"):
+        tags[1]
+    with pytest.raises(KeyError, match="no message tags are reserved for 'mine'"):
+        comm.message_tags("mine")

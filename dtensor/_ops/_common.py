@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from dtensor._spec import DTensorSpec
 from dtensor.placement import Partial, Replicate, Shard, _StridedShard
 
@@ -120,7 +118,3 @@ def replicate_all(schema: OpSchema, ndim_outputs: int | None = None) -> OutputSh
     mesh_ndim = schema.mesh.ndim
     outs = [(Replicate(),) * mesh_ndim if m is not None else None for m in schema.out_meta]
     return OutputSharding(outs, inputs)
-
-
-def is_tensor_meta(m) -> bool:
-    return isinstance(m, torch.Tensor)

@@ -46,6 +46,23 @@ def parallelize_module(
         >>> parallelize_module(model, mesh, {"blocks.*.mlp.fc": ColwiseParallel(),
         ...                                  "blocks.*.mlp.out": RowwiseParallel()})
     """
+    mesh = _checked_mesh(module, device_mesh, src_data_rank)
+    if parallelize_plan is None:
+        logger.warning("%s: no parallelize_plan given; nothing to do", _API)
+        return module
+    targets = _resolve(module, parallelize_plan)
+    for path, sub, style in targets:  # every module checked before any changes
+        style._check(sub, path)
+    call = ParallelizeCall(src_data_rank)
+    for _, sub, style in targets:
+        style._apply(sub, mesh, call)
+    collective_workspace(mesh)  # activations cross this dim every step
+    return module
+
+
+def _checked_mesh(module, device_mesh, src_data_rank):
+    """The 1-D tensor-parallel mesh, once ``module``, ``device_mesh`` and
+    ``src_data_rank`` are checked (a clear error for each, before anything changes)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"{_API}: module must be an nn.Module, got {type(module).__name__}.")
     if device_mesh is None:
@@ -58,6 +75,11 @@ def parallelize_module(
             f"{_API}: device_mesh must be 1-D (the tensor-parallel dim), got a {mesh.ndim}-D "
             f"mesh of shape {mesh.shape}. Pass a 1-D slice{hint}."
         )
+    _check_src_data_rank(src_data_rank, mesh)
+    return mesh
+
+
+def _check_src_data_rank(src_data_rank, mesh) -> None:
     if src_data_rank is not None and (
         isinstance(src_data_rank, bool)
         or not isinstance(src_data_rank, int)
@@ -67,17 +89,6 @@ def parallelize_module(
             f"{_API}: src_data_rank must be in [0, {mesh.size()}) or None, got "
             f"{src_data_rank!r}: the rank of the tensor-parallel mesh whose values are sent."
         )
-    if parallelize_plan is None:
-        logger.warning("%s: no parallelize_plan given; nothing to do", _API)
-        return module
-    targets = _resolve(module, parallelize_plan)
-    for path, sub, style in targets:
-        style._check(sub, path)
-    call = ParallelizeCall(src_data_rank)
-    for _, sub, style in targets:
-        style._apply(sub, mesh, call)
-    collective_workspace(mesh)  # activations cross this dim every step
-    return module
 
 
 def _resolve(module: nn.Module, plan) -> list[tuple[str, nn.Module, ParallelStyle]]:

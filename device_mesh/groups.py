@@ -246,8 +246,3 @@ def register_group(group, backend: str) -> None:
     _drop_stale_cache()
     ranks = tuple(sorted(dist.get_process_group_ranks(group)))
     _GROUP_CACHE.setdefault((backend, ranks), hold(group))
-
-
-def clear_cache() -> None:
-    """Forget cached groups (call after ``destroy_process_group``)."""
-    _GROUP_CACHE.clear()
