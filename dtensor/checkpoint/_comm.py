@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from device_mesh import _groups
+from device_mesh import groups
 from dtensor.checkpoint.errors import CheckpointError
 
 
@@ -48,7 +48,7 @@ class Group:
         if self.pg is None:
             return self
         ranks = tuple(dist.get_process_group_ranks(self.pg))
-        pg = _groups.get_side_group(ranks, "gloo", purpose="checkpoint-background")
+        pg = groups.get_side_group(ranks, "gloo", purpose="checkpoint-background")
         return Group(pg, self.rank, self.size)
 
     def _device(self) -> torch.device:
