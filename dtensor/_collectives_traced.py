@@ -16,7 +16,8 @@ rank that fell back to eager still meet:
   functional collective (``torch.distributed._functional_collectives``) on a buffer packed
   by the same helper;
 * the point-to-point block exchanges of gloo (all-gather, sum / average reduce-scatter,
-  all-to-all; [Note: DTensor's collectives on gloo]) have no functional form: they become
+  all-to-all, and a large sum / average all-reduce as a reduce-scatter plus an all-gather;
+  [Note: DTensor's collectives on gloo]) have no functional form: they become
   the custom ops ``fsdp2_lite::gather_blocks``, ``fsdp2_lite::reduce_blocks`` and
   ``fsdp2_lite::all_to_all_blocks``, whose kernels are the
   eager exchanges themselves. Graphs keep them even when their result is unused (marked as
@@ -141,6 +142,13 @@ def all_gather(local, mesh, mesh_dim: int, tensor_dim: int, full_size: int, *, a
 
 
 def all_reduce(local, mesh, mesh_dim: int, partial: Partial, *, async_op=False):
+    group, k = mesh.get_group(mesh_dim), mesh.size(mesh_dim)
+    if E.all_reduces_blocks(group, partial, local, k):
+        flat, sizes, divide_by = E._all_reduce_blocks_args(local, partial, k)
+        idx = mesh.get_local_rank(mesh_dim)
+        mine = reduce_blocks(flat, group.group_name, idx, 0, sizes, divide_by)
+        full = gather_blocks(mine, group.group_name, idx, 0, sizes)
+        return Pending.ready(full.view(local.shape))
     x, op, finish = E._prepare_reduce(local, partial, mesh.size(mesh_dim))
     return Pending.ready(finish(funcol.all_reduce(x, _OP_NAMES[op], mesh.get_group(mesh_dim))))
 

@@ -217,3 +217,37 @@ def test_all_to_all_sends_each_element_once(world):
     """Shard(a) -> Shard(b) on gloo: one message per peer with a non-empty block, carrying
     exactly that block (no padding), for uneven shapes and empty shards."""
     run_on_ranks(world, _check_all_to_all_sends_each_element_once)
+
+
+# ------------------------------------------------ large all-reduce on gloo: blocks, same bits
+def _check_block_all_reduce():
+    from dtensor import _collectives as E
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    k, r = mesh.size(), mesh.get_local_rank()
+    shape = (1025, 1024)  # 4.0 MiB + 4 KiB of fp32: uneven over 3 ranks
+    assert 1025 * 1024 * 4 >= E.ALL_REDUCE_BLOCKS_MIN_BYTES > 1025 * 1024 * 4 // 2
+    locals_ = [torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i in range(k)]
+    in_order = locals_[0].clone()
+    for t in locals_[1:]:
+        in_order += t  # every element summed in rank order, as the blocks are
+    for op, want in (("sum", in_order), ("avg", in_order / k)):
+        for async_op in (False, True):
+            dt = DTensor.from_local(locals_[r], mesh, [Partial(op)])
+            with CommDebugMode() as comm:
+                got = dt.redistribute(placements=[Replicate()], async_op=async_op).to_local()
+            assert comm.get_comm_counts() == {"all_reduce": 1}
+            assert torch.equal(got, want), (op, async_op)  # the same bits on every rank
+    # half the size (and booleans, max): gloo's all-reduce, still right
+    half = DTensor.from_local(locals_[r][:512], mesh, [Partial()])
+    torch.testing.assert_close(
+        half.redistribute(placements=[Replicate()]).to_local(), in_order[:512]
+    )
+    big = DTensor.from_local(locals_[r], mesh, [Partial("max")])
+    want_max = torch.stack(locals_).amax(0)
+    assert torch.equal(big.redistribute(placements=[Replicate()]).to_local(), want_max)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_large_sum_all_reduce_by_blocks_gives_every_rank_the_same_bits(world):
+    run_on_ranks(world, _check_block_all_reduce)
