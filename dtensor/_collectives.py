@@ -119,8 +119,9 @@ def reduces_rows_by_all_to_all(group, op: str) -> bool:
 # flattened tensor's ``torch.chunk`` blocks followed by an all-gather of the reduced blocks,
 # both point to point ([Note: DTensor's collectives on gloo]): each element is summed once,
 # on one rank, in rank order, and every rank receives the same bits. On the benchmark's
-# 8 MiB tensor it took about 0.8x gloo's all-reduce at 2 and 4 ranks; at 1 MiB and below
-# the two extra round trips cost more than they save, so smaller tensors keep gloo's.
+# 8 MiB tensor it took 0.76-0.82x gloo's all-reduce at 4 ranks and tied with it at 2 (where
+# gloo's is already an exchange of halves); at 1 MiB and below the two extra round trips
+# cost more than they save, so smaller tensors keep gloo's. docs/dtensor.md has the runs.
 ALL_REDUCE_BLOCKS_MIN_BYTES = 4 << 20
 
 
