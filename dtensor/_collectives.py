@@ -115,22 +115,23 @@ def reduces_rows_by_all_to_all(group, op: str) -> bool:
     return backend_is_gloo(group) or op != "sum"
 
 
-# [Note: all-reduce on gloo] A large sum / average all-reduce is a reduce-scatter of the
-# flattened tensor's ``torch.chunk`` blocks followed by an all-gather of the reduced blocks,
-# both point to point ([Note: DTensor's collectives on gloo]): each element is summed once,
-# on one rank, in rank order, and every rank receives the same bits. On the benchmark's
-# 8 MiB tensor it took 0.76-0.82x gloo's all-reduce at 4 ranks and tied with it at 2 (where
-# gloo's is already an exchange of halves); at 1 MiB and below the two extra round trips
-# cost more than they save, so smaller tensors keep gloo's. docs/dtensor.md has the runs.
+# [Note: all-reduce on gloo] A large sum / average all-reduce over three ranks or more is a
+# reduce-scatter of the flattened tensor's ``torch.chunk`` blocks followed by an all-gather
+# of the reduced blocks, both point to point ([Note: DTensor's collectives on gloo]): each
+# element is summed once, on one rank, in rank order, and every rank receives the same bits.
+# On the benchmark's 8 MiB tensor it took 0.76-0.82x gloo's all-reduce at 4 ranks. At 2
+# ranks gloo's all-reduce is already an exchange of halves, and ours was 0.9-1.2x its time,
+# so two ranks keep it; at 1 MiB and below the two round trips cost more than they save, so
+# smaller tensors keep it too. docs/dtensor.md has the runs.
 ALL_REDUCE_BLOCKS_MIN_BYTES = 4 << 20
 
 
 def all_reduces_blocks(group, partial: Partial, local: torch.Tensor, k: int) -> bool:
     """Whether a redistribution's all-reduce of ``partial`` over ``group`` (``k`` ranks) is a
-    point-to-point reduce-scatter plus all-gather ([Note: all-reduce on gloo]): gloo, a sum
-    or average, at least ``ALL_REDUCE_BLOCKS_MIN_BYTES``, not booleans."""
+    point-to-point reduce-scatter plus all-gather ([Note: all-reduce on gloo]): gloo, three
+    ranks or more, a sum or average, at least ``ALL_REDUCE_BLOCKS_MIN_BYTES``, not booleans."""
     return (
-        k > 1
+        k > 2
         and reduce_scatters_blocks(group, partial)
         and local.dtype != torch.bool
         and local.numel() * local.element_size() >= ALL_REDUCE_BLOCKS_MIN_BYTES

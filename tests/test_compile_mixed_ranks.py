@@ -144,7 +144,7 @@ def test_eager_and_compiled_ranks_agree_world_3(case):
 
 
 @pytest.mark.parametrize("case", ["P(sum)->R", "P(avg)->R"])
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])  # two ranks keep gloo's all-reduce
 def test_eager_and_compiled_ranks_agree_on_the_block_all_reduce(world, case):
     """The sum / average all-reduce of large tensors on gloo (a point-to-point reduce-scatter
     plus all-gather, [Note: all-reduce on gloo]; here with the size threshold at 0, so the

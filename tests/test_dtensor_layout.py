@@ -248,6 +248,8 @@ def _check_block_all_reduce():
     assert torch.equal(big.redistribute(placements=[Replicate()]).to_local(), want_max)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3, 4])
 def test_large_sum_all_reduce_by_blocks_gives_every_rank_the_same_bits(world):
+    """At 3 and 4 ranks a 4 MiB sum / average all-reduce goes by blocks: every element summed
+    in rank order (gloo's ring adds in another order, so other bits)."""
     run_on_ranks(world, _check_block_all_reduce)
