@@ -120,7 +120,7 @@ def reduces_rows_by_all_to_all(group, op: str) -> bool:
 # of the reduced blocks, both point to point ([Note: DTensor's collectives on gloo]): each
 # element is summed once, on one rank, in rank order, and every rank receives the same bits.
 # On the benchmark's 8 MiB tensor it took 0.76-0.82x gloo's all-reduce at 4 ranks. At 2
-# ranks gloo's all-reduce is already an exchange of halves, and ours was 0.9-1.2x its time,
+# ranks gloo's all-reduce is already an exchange of halves, and ours was 1.1-1.2x its time,
 # so two ranks keep it; at 1 MiB and below the two round trips cost more than they save, so
 # smaller tensors keep it too. docs/dtensor.md has the runs.
 ALL_REDUCE_BLOCKS_MIN_BYTES = 4 << 20
