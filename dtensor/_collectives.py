@@ -50,7 +50,7 @@ __all__ = [  # names other modules read here; the row collectives are dtensor.co
 # rank can fall back to eager (a graph break, dynamo's recompile limit) while its peers run
 # the graph. Both must then exchange the same messages - the same operations in the same
 # order, with the same sizes and tags - or they wait on each other until the process group
-# times out. So the transport of each collective is chosen here, once, by the three
+# times out. So the transport of each collective is chosen here, once, by the five
 # functions below; both modules pack their buffers with the same helpers (``_pad_dim0``,
 # ``_stack_blocks``, ``_all_to_all_send``, ``_prepare_reduce``, ``_row_reduction``) and
 # unpack with the same ones; only how the transport is issued differs (a call here, a
@@ -66,6 +66,36 @@ def reduce_scatters_blocks(group, partial: Partial) -> bool:
     blocks point to point (gloo, sum and average) instead of reducing padded rows."""
     return (
         backend_is_gloo(group) and type(partial) is Partial and partial.reduce_op in ("sum", "avg")
+    )
+
+
+def moves_shards_by_blocks(group) -> bool:
+    """Whether a redistribution's all-to-all (Shard(a) -> Shard(b)) over ``group`` sends
+    each peer its block point to point ([Note: all-to-all on gloo]) instead of running an
+    all-to-all of blocks padded on both dims."""
+    return backend_is_gloo(group)
+
+
+# [Note: all-reduce on gloo] A large sum / average all-reduce over three ranks or more is a
+# reduce-scatter of the flattened tensor's ``torch.chunk`` blocks followed by an all-gather
+# of the reduced blocks, both point to point ([Note: DTensor's collectives on gloo]): each
+# element is summed once, on one rank, in rank order, and every rank receives the same bits.
+# On the benchmark's 8 MiB tensor it took 0.76-0.82x gloo's all-reduce at 4 ranks. At 2
+# ranks gloo's all-reduce is already an exchange of halves, and ours was 1.1-1.2x its time,
+# so two ranks keep it; at 1 MiB and below the two round trips cost more than they save, so
+# smaller tensors keep it too. docs/dtensor.md has the runs.
+ALL_REDUCE_BLOCKS_MIN_BYTES = 4 << 20
+
+
+def all_reduces_blocks(group, partial: Partial, local: torch.Tensor, k: int) -> bool:
+    """Whether a redistribution's all-reduce of ``partial`` over ``group`` (``k`` ranks) is a
+    point-to-point reduce-scatter plus all-gather ([Note: all-reduce on gloo]): gloo, three
+    ranks or more, a sum or average, at least ``ALL_REDUCE_BLOCKS_MIN_BYTES``, not booleans."""
+    return (
+        k > 2
+        and reduce_scatters_blocks(group, partial)
+        and local.dtype != torch.bool
+        and local.numel() * local.element_size() >= ALL_REDUCE_BLOCKS_MIN_BYTES
     )
 
 
@@ -112,14 +142,29 @@ def all_reduce(local, mesh, mesh_dim: int, partial: Partial, *, async_op=False) 
     """Reduce partial values over the mesh dim; every rank gets the result."""
     group = mesh.get_group(mesh_dim)
     k = mesh.size(mesh_dim)
-    x, reduction, finish_fn = _prepare_reduce(
-        local, partial, k, _workspace.workspace_for_group(mesh, group)
-    )
+    ws = _workspace.workspace_for_group(mesh, group)
+    if all_reduces_blocks(group, partial, local, k):
+        nbytes = local.numel() * local.element_size()
+        debug.record("all_reduce", _dim_label(mesh, mesh_dim), k, nbytes)
+        flat, sizes, divide_by = _all_reduce_blocks_args(local, partial, k)
+        idx = mesh.get_local_rank(mesh_dim)
+        mine = _reduce_blocks(flat, group, idx, 0, sizes, divide_by, ws).wait()
+        gathered = _gather_blocks(mine, group, idx, 0, sizes, ws)
+        done = Pending(None, lambda: gathered.wait().view(local.shape))
+        return done if async_op else Pending.ready(done.wait())
+    x, reduction, finish_fn = _prepare_reduce(local, partial, k, ws)
     debug.record("all_reduce", _dim_label(mesh, mesh_dim), k, x.numel() * x.element_size())
     work = dist.all_reduce(x, op=reduction.reduce_op, group=group, async_op=async_op)
     if async_op:
         return Pending(work, lambda: finish_fn(x))
     return Pending.ready(finish_fn(x))
+
+
+def _all_reduce_blocks_args(local: torch.Tensor, partial: Partial, k: int):
+    """(flat tensor, block sizes, divisor) for the block all-reduce."""
+    flat = local.reshape(-1)
+    divide_by = float(k) if partial.reduce_op == "avg" else 1.0
+    return flat, chunk_sizes(flat.numel(), k), divide_by
 
 
 def reduce_scatter(
@@ -258,11 +303,19 @@ def all_to_all(
     """Shard(from_dim) -> Shard(to_dim): every rank sends each peer that peer's ``to_dim`` chunk.
 
     ``local`` is sharded on ``from_dim`` (global size ``full_from``) and full on ``to_dim``
-    (size ``full_to``). Both dims are padded so every block has the same size.
+    (size ``full_to``). On gloo the blocks go point to point, unpadded ([Note: all-to-all on
+    gloo]); elsewhere both dims are padded so every block has the same size.
     """
     group = mesh.get_group(mesh_dim)
     k = mesh.size(mesh_dim)
     idx = mesh.get_local_rank(mesh_dim)
+    if moves_shards_by_blocks(group):
+        from_sizes, to_sizes = chunk_sizes(full_from, k), chunk_sizes(full_to, k)
+        nbytes = local.numel() * local.element_size()
+        debug.record("all_to_all", _dim_label(mesh, mesh_dim), k, nbytes)
+        ws = _workspace.workspace_for_group(mesh, group)
+        done = _all_to_all_blocks(local, group, idx, from_dim, to_dim, from_sizes, to_sizes, ws)
+        return done if async_op else Pending.ready(done.wait())
     send = _all_to_all_send(local, k, from_dim, to_dim, full_from, full_to)
     recv = torch.empty_like(send)
     debug.record("all_to_all", _dim_label(mesh, mesh_dim), k, send.numel() * send.element_size())
@@ -276,18 +329,17 @@ def all_to_all(
 
 def _all_to_all_send(local, k: int, from_dim: int, to_dim: int, full_from: int, full_to: int):
     """The all-to-all's send buffer ``(k * pad_to, pad_from, rest...)``: ``local`` with
-    ``to_dim`` first and ``from_dim`` second, both padded; block ``j`` along dim 0 goes to
-    rank ``j``."""
+    ``to_dim`` first and ``from_dim`` second, both padded with zeros; block ``j`` along dim 0
+    goes to rank ``j``. Each element is copied once, into its place in the buffer."""
     pad_from, pad_to = padded_chunk_size(full_from, k), padded_chunk_size(full_to, k)
     x = local.movedim((to_dim, from_dim), (0, 1))
-    blocks = []
-    offset = 0
-    for s in chunk_sizes(full_to, k):
-        blk = _pad_dim0(x.narrow(0, offset, s), pad_to)
-        blk = _pad_dim0(blk.transpose(0, 1), pad_from).transpose(0, 1)
-        blocks.append(blk)
-        offset += s
-    return torch.cat(blocks).contiguous()
+    to_sizes = chunk_sizes(full_to, k)
+    shape = (k, pad_to, pad_from, *x.shape[2:])
+    padded = x.size(1) != pad_from or any(s != pad_to for s in to_sizes)
+    send = x.new_zeros(shape) if padded else x.new_empty(shape)
+    for j, (o, s) in enumerate(zip(chunk_offsets(full_to, k), to_sizes)):
+        send[j, :s, : x.size(1)].copy_(x.narrow(0, o, s))
+    return send.view(k * pad_to, *shape[2:])
 
 
 def _all_to_all_unpack(recv, k: int, idx: int, from_dim, to_dim, full_from: int, full_to: int):
@@ -298,6 +350,47 @@ def _all_to_all_unpack(recv, k: int, idx: int, from_dim, to_dim, full_from: int,
     parts = [r[i, :, : from_sizes[i]] for i in range(k)]  # from rank i: its from-chunk
     out = torch.cat(parts, dim=1)  # (to_chunk, full_from, rest...)
     return out.movedim((0, 1), (to_dim, from_dim)).contiguous()
+
+
+# [Note: all-to-all on gloo] Shard(a) -> Shard(b) sends rank ``j`` the ``torch.chunk`` block
+# ``j`` of dim ``b`` of the local shard, point to point ([Note: DTensor's collectives on
+# gloo]), unpadded and in the tensor's own layout. The send blocks are the only copy when the
+# output's blocks along ``a`` are contiguous runs of it (``a`` is the outermost dim of more
+# than one element, e.g. Shard(0) -> Shard(1)): the received blocks land in place and this
+# rank's own block is copied across. Otherwise they land in buffers and one ``cat`` builds the
+# output. The padded all-to-all before it (padding both dims, through a transposed copy,
+# then unpacking) took 5-8x as long on the benchmark's (2049, 1024) tensor; docs/dtensor.md.
+def _all_to_all_blocks(
+    local, group, idx: int, from_dim: int, to_dim: int, from_sizes, to_sizes, ws=None
+) -> Pending:
+    """Shard(from_dim) -> Shard(to_dim) by point-to-point blocks: ``local`` is block ``idx``
+    of ``from_dim`` (``from_sizes``) and whole on ``to_dim`` (split as ``to_sizes``)."""
+    shape = _block_shape(local, from_dim, sum(from_sizes))
+    shape[to_dim] = to_sizes[idx]
+    out = _buffer(ws, shape, local)  # the long-lived result first
+    pieces = list(local.split(to_sizes, to_dim))  # piece j goes to rank j
+    sends = [
+        p if j == idx or p.is_contiguous() else _buffer(ws, p.shape, p).copy_(p)
+        for j, p in enumerate(pieces)
+    ]
+    targets = list(out.split(from_sizes, from_dim))
+    in_place = all(t.is_contiguous() for t in targets)
+    if in_place:
+        recv = targets
+        recv[idx].copy_(pieces[idx])
+    else:
+        recv = [None if j == idx else _buffer(ws, t.shape, local) for j, t in enumerate(targets)]
+    works = _exchange(group, idx, len(to_sizes), lambda j: sends[j], lambda j: recv[j])
+
+    def finish() -> torch.Tensor:
+        for work in works:
+            work.wait()
+        if not in_place:
+            parts = [pieces[idx] if j == idx else r for j, r in enumerate(recv)]
+            torch.cat(parts, dim=from_dim, out=out)
+        return out
+
+    return Pending(None, finish)
 
 
 def broadcast(t: torch.Tensor, mesh, mesh_dim: int, src_local_rank: int) -> torch.Tensor:

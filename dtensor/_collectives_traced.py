@@ -12,12 +12,14 @@ per collective] in ``dtensor/_collectives.py``), so a rank running a compiled gr
 rank that fell back to eager still meet:
 
 * a collective the eager path issues as one ``torch.distributed`` call (all-reduce,
-  all-to-all, and on NCCL all-gather and sum reduce-scatter) becomes the matching
+  and on NCCL all-to-all, all-gather and sum reduce-scatter) becomes the matching
   functional collective (``torch.distributed._functional_collectives``) on a buffer packed
   by the same helper;
-* the point-to-point block exchanges of gloo (all-gather, sum / average reduce-scatter;
-  [Note: DTensor's collectives on gloo]) have no functional form: they become the custom ops
-  ``fsdp2_lite::gather_blocks`` and ``fsdp2_lite::reduce_blocks``, whose kernels are the
+* the point-to-point block exchanges of gloo (all-gather, sum / average reduce-scatter,
+  all-to-all, and a large sum / average all-reduce as a reduce-scatter plus an all-gather;
+  [Note: DTensor's collectives on gloo]) have no functional form: they become
+  the custom ops ``fsdp2_lite::gather_blocks``, ``fsdp2_lite::reduce_blocks`` and
+  ``fsdp2_lite::all_to_all_blocks``, whose kernels are the
   eager exchanges themselves. Graphs keep them even when their result is unused (marked as
   having side effects), as an eager rank still sends its blocks.
 """
@@ -88,9 +90,39 @@ def _reduce_blocks_shape(local, group_name, local_rank, tensor_dim, sizes, divid
     return local.new_empty(shape)
 
 
+@torch.library.custom_op("fsdp2_lite::all_to_all_blocks", mutates_args=())
+def all_to_all_blocks(
+    local: torch.Tensor,
+    group_name: str,
+    local_rank: int,
+    from_dim: int,
+    to_dim: int,
+    from_sizes: list[int],
+    to_sizes: list[int],
+) -> torch.Tensor:
+    """The eager point-to-point Shard(from_dim) -> Shard(to_dim) ([Note: all-to-all on
+    gloo]) as a graph op; ``local`` is block ``local_rank`` of ``from_dim``."""
+    group = _resolve_process_group(group_name)
+    return E._all_to_all_blocks(
+        local, group, local_rank, from_dim, to_dim, from_sizes, to_sizes
+    ).wait()
+
+
+@all_to_all_blocks.register_fake
+def _all_to_all_blocks_shape(local, group_name, local_rank, from_dim, to_dim, from_sizes, to_sizes):
+    shape = list(local.shape)
+    shape[from_dim] = sum(from_sizes)
+    shape[to_dim] = to_sizes[local_rank]
+    return local.new_empty(shape)
+
+
 # Dead-code elimination must not drop an exchange whose result the graph does not use: the
 # peers (eager or compiled) send and wait all the same.
-for _op in (torch.ops.fsdp2_lite.gather_blocks, torch.ops.fsdp2_lite.reduce_blocks):
+for _op in (
+    torch.ops.fsdp2_lite.gather_blocks,
+    torch.ops.fsdp2_lite.reduce_blocks,
+    torch.ops.fsdp2_lite.all_to_all_blocks,
+):
     torch.fx.node.has_side_effect(_op.default)
 del _op
 
@@ -108,8 +140,15 @@ def all_gather(local, mesh, mesh_dim: int, tensor_dim: int, full_size: int, *, a
 
 
 def all_reduce(local, mesh, mesh_dim: int, partial: Partial, *, async_op=False):
-    x, reduction, finish = E._prepare_reduce(local, partial, mesh.size(mesh_dim))
-    return Pending.ready(finish(funcol.all_reduce(x, reduction.op, mesh.get_group(mesh_dim))))
+    group, k = mesh.get_group(mesh_dim), mesh.size(mesh_dim)
+    if E.all_reduces_blocks(group, partial, local, k):
+        flat, sizes, divide_by = E._all_reduce_blocks_args(local, partial, k)
+        idx = mesh.get_local_rank(mesh_dim)
+        mine = reduce_blocks(flat, group.group_name, idx, 0, sizes, divide_by)
+        full = gather_blocks(mine, group.group_name, idx, 0, sizes)
+        return Pending.ready(full.view(local.shape))
+    x, reduction, finish = E._prepare_reduce(local, partial, k)
+    return Pending.ready(finish(funcol.all_reduce(x, reduction.op, group)))
 
 
 def reduce_scatter(
@@ -142,8 +181,14 @@ def reduce_scatter(
 def all_to_all(
     local, mesh, mesh_dim, from_dim, to_dim, full_from: int, full_to: int, *, async_op=False
 ):
+    group = mesh.get_group(mesh_dim)
     k = mesh.size(mesh_dim)
-    send = E._all_to_all_send(local, k, from_dim, to_dim, full_from, full_to)
-    recv = funcol.all_to_all_single(send, None, None, mesh.get_group(mesh_dim))
     idx = mesh.get_local_rank(mesh_dim)
+    if E.moves_shards_by_blocks(group):
+        from_sizes, to_sizes = chunk_sizes(full_from, k), chunk_sizes(full_to, k)
+        return Pending.ready(
+            all_to_all_blocks(local, group.group_name, idx, from_dim, to_dim, from_sizes, to_sizes)
+        )
+    send = E._all_to_all_send(local, k, from_dim, to_dim, full_from, full_to)
+    recv = funcol.all_to_all_single(send, None, None, group)
     return Pending.ready(E._all_to_all_unpack(recv, k, idx, from_dim, to_dim, full_from, full_to))

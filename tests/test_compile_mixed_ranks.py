@@ -82,6 +82,7 @@ CASES = {
     "S1->R": ("S1", _gather, lambda x: x * 2, None, {"all_gather": 1}),
     "S0->R unused": ("S0", _gather_unused, lambda x: x * 2, Shard(0), {"all_gather": 1}),
     "P(sum)->R": ("P:sum", _gather, lambda x: x * 2, None, {"all_reduce": 1}),
+    "P(avg)->R": ("P:avg", _gather, lambda x: x * 2, None, {"all_reduce": 1}),
     "P(max)->R": ("P:max", _gather, lambda x: x * 2, None, {"all_reduce": 1}),
     "P(sum)->S0": ("P:sum S0", _add, torch.add, Shard(0), {"reduce_scatter": 1}),
     "P(avg)->S1": ("P:avg S1", _add, torch.add, Shard(1), {"reduce_scatter": 1}),
@@ -93,8 +94,13 @@ CASES = {
 }
 
 
-def _mixed_modes(case: str, compiled_ranks: list[int]) -> None:
+def _mixed_modes(case: str, compiled_ranks: list[int], all_reduce_blocks: bool = False) -> None:
+    from dtensor import _collectives
+
     codes, fn, reference, placement, eager_counts = CASES[case]
+    threshold = _collectives.ALL_REDUCE_BLOCKS_MIN_BYTES
+    if all_reduce_blocks:  # the block all-reduce of large tensors, on this small one
+        _collectives.ALL_REDUCE_BLOCKS_MIN_BYTES = 0
     rank, world = dist.get_rank(), dist.get_world_size()
     init_device_mesh("cpu", (world,))  # the world's group is cached before ours exists
     group = dist.new_group(list(range(world)))  # its own group: the short timeout stays here
@@ -117,6 +123,7 @@ def _mixed_modes(case: str, compiled_ranks: list[int]) -> None:
         expected = {} if rank in compiled_ranks else eager_counts
         assert comm.get_comm_counts() == expected, (case, rank, comm.get_comm_counts())
     finally:
+        _collectives.ALL_REDUCE_BLOCKS_MIN_BYTES = threshold  # the workers are reused
         torch._dynamo.reset()
         dist.destroy_process_group(group)
 
@@ -134,3 +141,14 @@ def test_eager_and_compiled_ranks_agree_world_3(case):
     """Three ranks, one or two of them compiled, with an empty shard on dim 1."""
     compiled = [0, 2] if list(CASES).index(case) % 2 == 0 else [1]
     run_on_ranks(3, _mixed_modes, timeout_s=120, case=case, compiled_ranks=compiled)
+
+
+@pytest.mark.parametrize("case", ["P(sum)->R", "P(avg)->R"])
+@pytest.mark.parametrize("world", [3])  # two ranks keep gloo's all-reduce
+def test_eager_and_compiled_ranks_agree_on_the_block_all_reduce(world, case):
+    """The sum / average all-reduce of large tensors on gloo (a point-to-point reduce-scatter
+    plus all-gather, [Note: all-reduce on gloo]; here with the size threshold at 0, so the
+    (7, 2, 3) tensor takes it), compiled on one rank and eager on the others."""
+    run_on_ranks(
+        world, _mixed_modes, timeout_s=120, case=case, compiled_ranks=[1], all_reduce_blocks=True
+    )

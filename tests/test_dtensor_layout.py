@@ -164,3 +164,92 @@ def _check_redistribute_errors():
 
 def test_redistribute_errors():
     run_on_ranks(2, _check_redistribute_errors)
+
+
+# ------------------------------------------------------------- all-to-all on gloo: the bytes
+# (global shape, from dim, to dim): uneven dims; (2, 5) and (5, 2) leave a rank without
+# rows (3 ranks), (5, 3, 2) moves to and from an inner dim (received into buffers, then cat)
+_A2A_CASES = [((7, 5), 0, 1), ((7, 5), 1, 0), ((2, 5), 0, 1), ((5, 2), 0, 1), ((5, 3, 2), 2, 0)]
+
+
+def _check_all_to_all_sends_each_element_once():
+    from dtensor import _collectives as E
+    from dtensor.placement import chunk_offsets, chunk_sizes
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    k, r = mesh.size(), mesh.get_local_rank()
+    sent: list[tuple[int, int]] = []  # (peer, bytes) of each message this rank posts
+    real = E._exchange
+
+    def spy(group, idx, n, send_to, recv_from):
+        for step in range(1, n):
+            block = send_to((idx + step) % n)
+            if block.numel():
+                assert block.is_contiguous()
+                sent.append(((idx + step) % n, block.numel() * block.element_size()))
+        return real(group, idx, n, send_to, recv_from)
+
+    E._exchange = spy  # the worker processes are reused: put it back below
+    try:
+        for shape, a, b in _A2A_CASES:
+            torch.manual_seed(1)
+            full = torch.randn(shape)
+            dt = distribute_tensor(full, mesh, [Shard(a)])
+            want = full.narrow(b, chunk_offsets(shape[b], k)[r], chunk_sizes(shape[b], k)[r])
+            sent.clear()
+            for async_op in (False, True):
+                with CommDebugMode() as comm:
+                    moved = dt.redistribute(placements=[Shard(b)], async_op=async_op)
+                assert comm.get_comm_counts() == {"all_to_all": 1}
+                assert torch.equal(moved.to_local(), want), (shape, a, b, async_op)
+            # each peer j gets block (r, j) once per call, unpadded; empty blocks are not sent
+            rest = full.numel() // (shape[a] * shape[b])
+            rows, cols = chunk_sizes(shape[a], k), chunk_sizes(shape[b], k)
+            ideal = [(j, rows[r] * cols[j] * rest * 4) for j in range(k) if j != r]
+            ideal = [(j, n) for j, n in ideal if n]
+            assert sorted(sent) == sorted(ideal * 2), (shape, a, b, sent, ideal)
+    finally:
+        E._exchange = real
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_to_all_sends_each_element_once(world):
+    """Shard(a) -> Shard(b) on gloo: one message per peer with a non-empty block, carrying
+    exactly that block (no padding), for uneven shapes and empty shards."""
+    run_on_ranks(world, _check_all_to_all_sends_each_element_once)
+
+
+# ------------------------------------------------ large all-reduce on gloo: blocks, same bits
+def _check_block_all_reduce():
+    from dtensor import _collectives as E
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    k, r = mesh.size(), mesh.get_local_rank()
+    shape = (1025, 1024)  # 4.0 MiB + 4 KiB of fp32: uneven over 3 ranks
+    assert 1025 * 1024 * 4 >= E.ALL_REDUCE_BLOCKS_MIN_BYTES > 1025 * 1024 * 4 // 2
+    locals_ = [torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i in range(k)]
+    in_order = locals_[0].clone()
+    for t in locals_[1:]:
+        in_order += t  # every element summed in rank order, as the blocks are
+    for op, want in (("sum", in_order), ("avg", in_order / k)):
+        for async_op in (False, True):
+            dt = DTensor.from_local(locals_[r], mesh, [Partial(op)])
+            with CommDebugMode() as comm:
+                got = dt.redistribute(placements=[Replicate()], async_op=async_op).to_local()
+            assert comm.get_comm_counts() == {"all_reduce": 1}
+            assert torch.equal(got, want), (op, async_op)  # the same bits on every rank
+    # half the size (and booleans, max): gloo's all-reduce, still right
+    half = DTensor.from_local(locals_[r][:512], mesh, [Partial()])
+    torch.testing.assert_close(
+        half.redistribute(placements=[Replicate()]).to_local(), in_order[:512]
+    )
+    big = DTensor.from_local(locals_[r], mesh, [Partial("max")])
+    want_max = torch.stack(locals_).amax(0)
+    assert torch.equal(big.redistribute(placements=[Replicate()]).to_local(), want_max)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_large_sum_all_reduce_by_blocks_gives_every_rank_the_same_bits(world):
+    """At 3 and 4 ranks a 4 MiB sum / average all-reduce goes by blocks: every element summed
+    in rank order (gloo's ring adds in another order, so other bits)."""
+    run_on_ranks(world, _check_block_all_reduce)

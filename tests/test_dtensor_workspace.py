@@ -184,6 +184,8 @@ _CASES = [
     ((8, 37, 256), Replicate(), Shard(2)),  # a local slice
     ((37, 256, 8), Partial(), Replicate()),  # all-reduce
     ((5, 37, 256), Shard(0), Replicate()),  # dim-0 all-gather (received in place)
+    ((37, 256, 8), Shard(0), Shard(1)),  # all-to-all, received in place
+    ((8, 37, 256), Shard(1), Shard(2)),  # all-to-all into buffers, then cat
 ]
 
 

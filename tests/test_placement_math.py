@@ -229,3 +229,24 @@ def test_message_tag_ranges_are_disjoint_and_bounded():
         tags[1]
     with pytest.raises(KeyError, match="no message tags are reserved for 'mine'"):
         comm.message_tags("mine")
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+@pytest.mark.parametrize(
+    "shape,a,b", [((7, 5), 0, 1), ((5, 7), 1, 0), ((2, 5, 3), 0, 2), ((7, 3, 2), 2, 1)]
+)
+def test_padded_all_to_all_pack_and_unpack_move_the_shards(k, shape, a, b):
+    """The padded all-to-all (NCCL's wire form, no longer used on gloo): k ranks' send
+    buffers, exchanged by hand, unpack to each rank's Shard(b) piece."""
+    from dtensor._collectives import _all_to_all_send, _all_to_all_unpack
+
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+
+    def piece(dim, r):
+        return full.narrow(dim, chunk_offsets(shape[dim], k)[r], chunk_sizes(shape[dim], k)[r])
+
+    sends = [_all_to_all_send(piece(a, r), k, a, b, shape[a], shape[b]) for r in range(k)]
+    for r in range(k):
+        recv = torch.cat([s.chunk(k)[r] for s in sends])  # rank i's block r, in rank order
+        got = _all_to_all_unpack(recv, k, r, a, b, shape[a], shape[b])
+        assert torch.equal(got, piece(b, r)), (r, got.shape)
