@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
 
-from device_mesh import DeviceMesh, _groups, init_device_mesh
+from device_mesh import DeviceMesh, init_device_mesh
+from device_mesh import groups as _groups
 from tests.harness import run_on_ranks
 
 LAYOUTS = [
