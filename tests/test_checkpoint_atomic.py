@@ -1,18 +1,26 @@
 """Replacing a checkpoint ([Note: replacing a checkpoint] in dtensor/checkpoint/api.py): a
 crash between the two renames leaves a checkpoint that ``load`` finds, what killed saves
-leave behind is removed by the next save, and a save still in flight is never touched."""
+leave behind is removed by the next save, and a save still in flight is never touched; a
+save makes three exchanges ([Note: the three exchanges of a save])."""
 
 from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import dtensor.checkpoint.api as api
+from device_mesh import init_device_mesh
+from dtensor import Shard, distribute_tensor
 from dtensor import checkpoint as dcp
+from dtensor.checkpoint import CheckpointError
+from dtensor.checkpoint._comm import Group
 from dtensor.checkpoint.tools import verify
+from tests.harness import run_on_ranks
 
 
 class _Killed(BaseException):
@@ -113,3 +121,80 @@ def test_a_save_in_flight_keeps_its_partial_directory(tmp_path, monkeypatch):
     dcp.save(_state(4.0), checkpoint_id=path)
     assert _aside(tmp_path, "partial") == [] and _aside(tmp_path, "old") == []
     assert torch.equal(_load(path)["model"]["w"], torch.full((5, 3), 4.0))
+
+
+_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce",
+                "all_to_all", "all_to_all_single", "barrier", "broadcast", "broadcast_object_list",
+                "gather", "gather_object", "monitored_barrier", "recv", "reduce", "reduce_scatter",
+                "reduce_scatter_tensor", "scatter", "send", "isend", "irecv")  # fmt: skip
+
+
+class _CountCollectives:
+    """Counts calls of every torch.distributed collective, and the library's exchanges."""
+
+    def __enter__(self):
+        self.calls: dict[str, int] = {}
+        self._saved = {name: getattr(dist, name) for name in _COLLECTIVES}
+        self._saved_agree = Group.agree
+        for name, fn in self._saved.items():
+            setattr(dist, name, self._counting(name, fn))
+        Group.agree = self._counting("agree", Group.agree)
+        return self
+
+    def _counting(self, name, fn):
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        Group.agree = self._saved_agree
+
+
+def _ranks_state(value: float) -> dict:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    w = distribute_tensor(torch.full((6, 4), value), mesh, [Shard(0)])
+    return {"model": {"w": w, "b": torch.arange(3.0) + value}, "step": 7}
+
+
+def _save_counts_its_collectives(directory: str) -> None:
+    path = Path(directory) / "ckpt"
+    dcp.save(_ranks_state(1.0), checkpoint_id=path)  # one to replace
+    state = _ranks_state(2.0)
+    with _CountCollectives() as count:
+        dcp.save(state, checkpoint_id=path)
+    # three exchanges of JSON, each an all_gather of the lengths and one of the bytes
+    assert count.calls == {"agree": 3, "all_gather": 6}, count.calls
+    sd = {"model": {"w": _ranks_state(0.0)["model"]["w"], "b": torch.zeros(3)}, "step": 0}
+    dcp.load(sd, checkpoint_id=path)
+    assert torch.equal(sd["model"]["w"].full_tensor(), torch.full((6, 4), 2.0))
+
+
+def test_a_save_makes_three_exchanges(tmp_path):
+    run_on_ranks(2, _save_counts_its_collectives, directory=str(tmp_path))
+
+
+def _one_rank_cannot_snapshot(directory: str) -> None:
+    """A value only rank 1 cannot save is shared in the first exchange: every rank raises,
+    rank 0's partial directory is removed and the previous checkpoint is left as it was."""
+    path = Path(directory) / "ckpt"
+    dcp.save(_ranks_state(1.0), checkpoint_id=path)
+    state = _ranks_state(2.0)
+    if dist.get_rank() == 1:
+        state["extra"] = object()
+    with _CountCollectives() as count, pytest.raises(CheckpointError, match=r"extra.*\[rank 1\]"):
+        dcp.save(state, checkpoint_id=path)
+    assert count.calls == {"agree": 1, "all_gather": 2}, count.calls
+    dist.barrier()
+    assert sorted(p.name for p in Path(directory).iterdir()) == ["ckpt"]
+    assert verify(path) == []
+    sd = {"model": {"w": _ranks_state(0.0)["model"]["w"], "b": torch.zeros(3)}, "step": 0}
+    dcp.load(sd, checkpoint_id=path)
+    assert torch.equal(sd["model"]["w"].full_tensor(), torch.full((6, 4), 1.0))
+
+
+def test_a_value_one_rank_cannot_save_fails_every_rank_in_the_first_exchange(tmp_path):
+    run_on_ranks(2, _one_rank_cannot_snapshot, directory=str(tmp_path))

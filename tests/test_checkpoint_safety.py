@@ -14,6 +14,7 @@ import json
 import multiprocessing as mp
 import os
 import socket
+import zlib
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from safetensors.torch import load_file
 from device_mesh import init_device_mesh
 from dtensor import Shard, distribute_tensor
 from dtensor import checkpoint as dcp
-from dtensor.checkpoint import CheckpointError
+from dtensor.checkpoint import CheckpointError, storage
 from dtensor.checkpoint.__main__ import main as cli
 from dtensor.checkpoint._reshard import coverage_problem, intersect, overlaps
 from dtensor.checkpoint.tools import consolidate, verify
@@ -341,3 +342,28 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     sd = {"w": torch.zeros(7, 6)}
     dcp.load(sd, checkpoint_id=path)
     assert torch.equal(sd["w"], torch.arange(42.0).reshape(7, 6))
+
+
+# ------------------------------------------------------------------------------ write path
+def test_a_file_is_written_with_early_writeback_and_one_fsync(tmp_path, monkeypatch):
+    """[Note: the write path]: writeback of each 32 MiB is started as it is written, the
+    ranges cover the file once, in order, and the file is fsynced once."""
+    kicks, fsyncs, real_fsync = [], [], os.fsync
+    monkeypatch.setattr(storage, "_sync_file_range", lambda *a: kicks.append(a[1:]) or 0)
+    monkeypatch.setattr(storage.os, "fsync", lambda fd: (fsyncs.append(fd), real_fsync(fd))[1])
+    t = torch.arange(18 << 20, dtype=torch.float32)  # 72 MiB: two 32 MiB ranges and the tail
+    path = tmp_path / "a.safetensors"
+    entry, spans = storage.write_file(path, [("t", t)])
+    assert [(n, flags) for _, n, flags in kicks] == [
+        (spans["t"][0] + (32 << 20), 2),
+        (32 << 20, 2),
+        (entry.bytes - (64 << 20) - spans["t"][0], 2),
+    ]
+    assert [off for off, _, _ in kicks] == [
+        0,
+        spans["t"][0] + (32 << 20),
+        spans["t"][0] + (64 << 20),
+    ]
+    assert len(fsyncs) == 1
+    assert spans["t"][2] == zlib.crc32(t.numpy().tobytes())
+    assert torch.equal(load_file(str(path))["t"], t)

@@ -1,12 +1,13 @@
 """``save`` and ``load``: sharded state dicts to a checkpoint directory and back, any layout.
 
-Save, on every rank of the group::
+Save, on every rank of the group, in three exchanges ([Note: the three exchanges of a save])::
 
     1. flatten the state dict; describe the block each tensor holds here   (planner)
-    2. exchange descriptions; choose one writer per distinct block        (one all_gather)
+    2. exchange descriptions and problems; choose one writer per block     (exchange 1)
     3. write this rank's blocks into <dir>.partial-<token>/rank-NNNNN.safetensors, fsync
-    4. exchange byte ranges and CRCs; rank 0 writes metadata.json, fsyncs, moves an older
-       checkpoint at <dir> aside and renames the partial directory to <dir>  (two all_gathers)
+    4. exchange byte ranges and CRCs (exchange 2); rank 0 writes metadata.json, fsyncs, moves
+       an older checkpoint at <dir> aside and renames the partial directory to <dir>; every
+       rank learns whether that worked                                    (exchange 3)
 
 A crash before step 4's renames leaves ``<dir>`` as it was; a crash between them leaves the
 previous checkpoint aside, where ``load`` finds it ([Note: replacing a checkpoint]). Load,
@@ -68,8 +69,8 @@ def save(state_dict: Mapping, *, checkpoint_id: str | os.PathLike, process_group
         >>> dcp.save({"model": model.state_dict(), "step": 10}, checkpoint_id="ckpt/step-10")
     """
     group = Group.of(process_group)
-    snapshot = _snapshot(state_dict, group)
-    _write(snapshot, Path(checkpoint_id), group)
+    snapshot, problems = _snapshot(state_dict)
+    _write(snapshot, Path(checkpoint_id), group, problems)
 
 
 def async_save(
@@ -90,10 +91,11 @@ def async_save(
         >>> fut.result()
     """
     group = Group.of(process_group)
-    snapshot = _snapshot(state_dict, group, copy=True)
+    snapshot, problems = _snapshot(state_dict, copy=True)
+    group.agree(problems)  # a value that cannot be saved raises here, on every rank
     background = group.companion()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp-async-save")
-    future = pool.submit(_write, snapshot, Path(checkpoint_id), background)
+    future = pool.submit(_write, snapshot, Path(checkpoint_id), background, [])
     pool.shutdown(wait=False)
     return future
 
@@ -106,7 +108,8 @@ class _Snapshot:
         self.values = values
 
 
-def _snapshot(state_dict: Mapping, group: Group, *, copy: bool = False) -> _Snapshot:
+def _snapshot(state_dict: Mapping, *, copy: bool = False) -> tuple[_Snapshot, list[str]]:
+    """This rank's blocks and values, and the problems found (shared by the caller)."""
     problems, items, values = [], {}, {}
     try:
         for key, (_, leaf) in sorted(flatten(state_dict).items()):
@@ -123,13 +126,27 @@ def _snapshot(state_dict: Mapping, group: Group, *, copy: bool = False) -> _Snap
                 values[key] = encode_value(key, leaf)
     except CheckpointError as e:
         problems.append(str(e))
-    group.agree(problems)
-    return _Snapshot(items, values)
+    return _Snapshot(items, values), problems
 
 
-def _write(snap: _Snapshot, final: Path, group: Group) -> None:
-    token, problems, lock = None, [], None
-    if group.rank == 0:
+# [Note: the three exchanges of a save]
+# A save exchanges three times, each one all_gather of JSON (Group.agree), and each carries
+# every rank's problems so far, so all ranks raise together or go on together:
+#   1. the plan: the snapshot's problems (a value that cannot be saved), rank 0's preparing
+#      of the partial directory, the token naming it, and each rank's block descriptions;
+#   2. after the writes: each rank's file (size, header CRC, byte ranges and CRCs of its
+#      blocks) or why it could not write; only when every file is complete and durable does
+#      rank 0 commit (metadata.json, fsync, renames);
+#   3. the commit's outcome from rank 0, so every rank returns or raises the same error.
+# Exchange 1 is also where the snapshot's problems are shared: a separate exchange for them
+# alone (as before) bought nothing, since nothing is written before exchange 1 either way.
+# Exchange 3 cannot be dropped: without it the other ranks would return before the rename
+# and would not hear of a failed commit. async_save shares the snapshot's problems on the
+# caller's group before returning (so a value that cannot be saved raises at the call), then
+# makes the same three exchanges on its background group.
+def _write(snap: _Snapshot, final: Path, group: Group, problems: list[str]) -> None:
+    token, problems, lock = None, list(problems), None
+    if group.rank == 0 and not problems:
         token = uuid.uuid4().hex[:12]
         try:
             _check_target(final)
@@ -148,8 +165,10 @@ def _write(snap: _Snapshot, final: Path, group: Group) -> None:
 
 
 def _write_and_commit(snap: _Snapshot, final: Path, group: Group, token, problems) -> None:
-    gathered = group.agree(problems, {"token": token, "items": {k: i.describe() for k, i in snap.items.items()},
-                                      "values": snap.values})  # fmt: skip
+    mine = None if token is None else _partial_dir(final, token)  # rank 0's, if it made one
+    described = {k: i.describe() for k, i in snap.items.items()}
+    plan = {"token": token, "items": described, "values": snap.values}
+    gathered = _agree_or_discard(group, problems, plan, mine)  # exchange 1
     token = gathered[0]["token"]
     partial = _partial_dir(final, token)
     try:
@@ -158,7 +177,7 @@ def _write_and_commit(snap: _Snapshot, final: Path, group: Group, token, problem
         _discard(partial, group)
         raise e
     written, problems = _write_my_file(snap, writes[group.rank], partial, group.rank)
-    reports = _agree_or_discard(group, problems, written, partial)
+    reports = _agree_or_discard(group, problems, written, partial)  # exchange 2
     problems = []
     if group.rank == 0:
         try:
@@ -167,7 +186,7 @@ def _write_and_commit(snap: _Snapshot, final: Path, group: Group, token, problem
         except (OSError, CheckpointError) as e:
             problems.append(f"cannot commit {final}: {e}")
             shutil.rmtree(partial, ignore_errors=True)
-    group.agree(problems)
+    group.agree(problems)  # exchange 3
     logger.info("saved %d tensors to %s", len(entries), final)
 
 
@@ -189,7 +208,7 @@ def _write_my_file(snap: _Snapshot, mine: list, partial: Path, rank: int):
     return report, []
 
 
-def _agree_or_discard(group: Group, problems, payload, partial: Path) -> list:
+def _agree_or_discard(group: Group, problems, payload, partial: Path | None) -> list:
     try:
         return group.agree(problems, payload)
     except CheckpointError:
@@ -197,8 +216,8 @@ def _agree_or_discard(group: Group, problems, payload, partial: Path) -> list:
         raise
 
 
-def _discard(partial: Path, group: Group) -> None:
-    if group.rank == 0:
+def _discard(partial: Path | None, group: Group) -> None:
+    if group.rank == 0 and partial is not None:
         shutil.rmtree(partial, ignore_errors=True)
 
 

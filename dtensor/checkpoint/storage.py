@@ -3,8 +3,9 @@
 The safetensors layout is: an 8-byte little-endian header length ``n``, ``n`` bytes of JSON
 header (``{name: {"dtype", "shape", "data_offsets": [begin, end]}}``, offsets relative to the
 end of the header), then the raw little-endian bytes of each tensor. We write it ourselves so
-that each tensor goes from its own memory to the file in one ``write`` (no staging copy), and
-its CRC-32 is taken on the way. The files load with the ``safetensors`` library unchanged.
+that each tensor goes from its own memory to the file (no staging copy) and its CRC-32 is
+taken on the way; the files load with the ``safetensors`` library unchanged
+([Note: the write path]).
 
 Reading maps the file (a private, copy-on-write mapping), checks the header against
 ``metadata.json``, and hands out tensors that view the mapped bytes: a rank touches only the
@@ -13,11 +14,13 @@ chunks it needs.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import mmap
 import os
 import struct
+import sys
 import zlib
 from pathlib import Path
 
@@ -86,23 +89,91 @@ def write_stream(
     head = struct.pack("<Q", len(text)) + text
     header_end = len(head)
     spans = {}
-    with open(path, "wb") as f:
-        f.write(head)
+    with open(path, "wb", buffering=0) as f:
+        out = _Stream(f)
+        out.write(head)
         for (name, dtype, shape), t in zip(specs, tensors, strict=True):
             if t.dtype != dtype or tuple(t.shape) != tuple(shape):
                 raise ValueError(
                     f"{name}: got {t.dtype} {tuple(t.shape)}, header says {dtype} {shape}"
                 )
-            view = tensor_bytes(t)
-            f.write(view)
             lo, hi = header[name]["data_offsets"]
-            spans[name] = (header_end + lo, header_end + hi, zlib.crc32(view))
-        f.flush()
-        os.fsync(f.fileno())
+            spans[name] = (header_end + lo, header_end + hi, out.write(tensor_bytes(t)))
+        out.finish()
     entry = FileEntry(
         bytes=header_end + cursor, header_end=header_end, header_crc32=zlib.crc32(head)
     )
     return entry, spans
+
+
+# [Note: the write path]
+# A save is as fast as the disk only if the disk is busy from the first byte to the last.
+# Written plainly (write() everything, then one fsync), the bytes sit in the page cache until
+# the fsync (a machine with gigabytes of memory starts writing back dirty pages only after
+# 10% of it is dirty or 30 s have passed), so the disk idles while the process copies and
+# checksums, and the process idles while the disk writes. So each file is written in pieces
+# of PIECE bytes straight from the tensor's memory (a memoryview: no copy but the kernel's
+# own into the page cache), each piece's CRC-32 is folded in just before its write (while the
+# piece is in the CPU cache), and every KICK bytes we ask the kernel to start writing that
+# range back (sync_file_range(SYNC_FILE_RANGE_WRITE): it queues the I/O and returns). The disk
+# then writes while we copy and checksum the next pieces; the one fsync at the end (which
+# also makes the file's size durable) waits only for the tail. Where sync_file_range is not
+# available (not Linux), the file is written the plain way, as correct and slower.
+_PIECE = 4 << 20
+_KICK = 32 << 20
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _find_sync_file_range():
+    if not sys.platform.startswith("linux") or ctypes.sizeof(ctypes.c_void_p) != 8:
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _find_sync_file_range()
+
+
+class _Stream:
+    """Writes buffers to a raw file in pieces, CRC-32 on the way, starting writeback early."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+        self._fd = f.fileno()
+        self._offset = 0  # bytes written
+        self._kicked = 0  # bytes whose writeback has been started
+
+    def write(self, data) -> int:
+        """Write all of ``data`` (bytes-like); returns its CRC-32."""
+        view = memoryview(data).cast("B")
+        crc = 0
+        for start in range(0, len(view), _PIECE):
+            piece = view[start : start + _PIECE]
+            crc = zlib.crc32(piece, crc)
+            while piece:  # a regular file takes it all at once, short of an error
+                piece = piece[self._f.write(piece) :]
+            self._offset += min(_PIECE, len(view) - start)
+            if self._offset - self._kicked >= _KICK:
+                self._start_writeback()
+        return crc
+
+    def _start_writeback(self) -> None:
+        if _sync_file_range is not None and self._offset > self._kicked:
+            # a hint: if the kernel refuses it, the fsync in finish() writes those bytes
+            _sync_file_range(
+                self._fd, self._kicked, self._offset - self._kicked, _SYNC_FILE_RANGE_WRITE
+            )
+        self._kicked = self._offset
+
+    def finish(self) -> None:
+        """Make everything written durable (one fsync)."""
+        self._start_writeback()
+        os.fsync(self._fd)
 
 
 class DataFile:
