@@ -7,6 +7,6 @@ Example:
 """
 
 from device_mesh._interop import as_device_mesh
-from device_mesh.mesh import DeviceMesh, init_device_mesh
+from device_mesh.mesh import DeviceMesh, concatenate_meshes, init_device_mesh
 
-__all__ = ["DeviceMesh", "init_device_mesh", "as_device_mesh"]
+__all__ = ["DeviceMesh", "init_device_mesh", "as_device_mesh", "concatenate_meshes"]

@@ -740,3 +740,16 @@ def _check_dim_names(names, ndim: int, *, api: str) -> tuple[str, ...] | None:
             "Give every mesh dim its own name."
         )
     return names
+
+
+def concatenate_meshes(meshes) -> DeviceMesh:
+    """One mesh over the dims of several slices of one root mesh, in root order: the public
+    name of ``DeviceMesh._concatenate`` (PyTorch's private spelling, kept for ports), for
+    code built on this package such as fsdp2's 2-D parameters.
+
+    Example:
+        >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        >>> concatenate_meshes([mesh["dp"], mesh["tp"]]) == mesh
+        True
+    """
+    return DeviceMesh._concatenate(meshes)

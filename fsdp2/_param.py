@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from device_mesh import DeviceMesh
+from device_mesh import concatenate_meshes
 from dtensor import DTensor
 from dtensor.placement import (
     Replicate,
@@ -111,7 +111,7 @@ def _spmd_layout(info: MeshInfo, shard_dim: int, tp_spec: DTensorSpec | None):
     """
     if tp_spec is None:
         return info.mesh, info.placements(shard_dim)
-    mesh = DeviceMesh._concatenate([info.mesh, tp_spec.mesh])
+    mesh = concatenate_meshes([info.mesh, tp_spec.mesh])
     split = 1
     for i, p in enumerate(tp_spec.placements):
         if isinstance(p, Shard) and p.dim == shard_dim:

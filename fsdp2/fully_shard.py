@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from device_mesh import DeviceMesh, as_device_mesh, init_device_mesh
+from device_mesh import DeviceMesh, as_device_mesh, concatenate_meshes, init_device_mesh
 from device_mesh.groups import backend_for
 from dtensor import DTensor
 from dtensor.placement import Shard, from_torch_placement
@@ -463,7 +463,7 @@ def _check_tensor_parallel(plan: _Plan, mesh: DeviceMesh) -> None:
                 "Shard/Replicate before fully_shard."
             )
         try:
-            DeviceMesh._concatenate([mesh, tp])
+            concatenate_meshes([mesh, tp])
         except ValueError as e:
             raise ValueError(
                 f"{_API}: parameter {name!r} is tensor-parallel on {tp!r}, which is not "

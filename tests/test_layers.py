@@ -54,6 +54,7 @@ def test_library_code_does_not_print_or_import_rich():
 # or name imported from them, and none of DTensor's internals read or written.
 _LOWER = {"dtensor", "device_mesh"}
 _DTENSOR_INTERNALS = {"_local_tensor", "_spec", "_local"}
+_LOWER_CLASSES = {"DTensor", "DeviceMesh", "DTensorSpec", "Placement", "Shard", "Partial"}
 
 
 def _private_uses(path: pathlib.Path) -> list[str]:
@@ -66,6 +67,14 @@ def _private_uses(path: pathlib.Path) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             modules = [node.module]
             names = [alias.name for alias in node.names]
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and getattr(node.value, "id", None) in _LOWER_CLASSES
+        ):
+            bad.append(f"{path.name}:{node.lineno} uses {node.value.id}.{node.attr}")
+            continue
         elif isinstance(node, ast.Attribute) and node.attr in _DTENSOR_INTERNALS:
             verb = "writes" if isinstance(node.ctx, ast.Store) else "reads"
             bad.append(f"{path.name}:{node.lineno} {verb} DTensor's .{node.attr}")
@@ -97,7 +106,9 @@ def test_the_private_name_check_catches_each_kind(tmp_path):
         "from torch._C import _disabled_torch_function_impl\n"  # not ours: not reported
         "dt._local_tensor = x\n"
         "y = dt._spec\n"
+        "m = DeviceMesh._concatenate([a, b])\n"
     )
     hits = _private_uses(path)
-    assert [h.split(" ", 1)[0] for h in hits] == [f"sample.py:{i}" for i in (1, 2, 3, 4, 7, 8)]
+    assert [h.split(" ", 1)[0] for h in hits] == [f"sample.py:{i}" for i in (1, 2, 3, 4, 7, 8, 9)]
     assert "writes DTensor's ._local_tensor" in hits[4] and "reads DTensor's ._spec" in hits[5]
+    assert "uses DeviceMesh._concatenate" in hits[6]
