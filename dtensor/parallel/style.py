@@ -212,8 +212,10 @@ def _global_shape(x: torch.Tensor, mesh, layout, uneven: bool, last: int | None)
       inputs whose length need not divide by the mesh size (a sequence of any length
       under sequence parallelism). They must be ``torch.chunk``'s pieces.
 
-    Taking uneven shards as even gives the ranks different global shapes, and the next
-    collective fails or mixes rows: that is what ``uneven_shards`` is for. To find the
+    Taking uneven shards as even gives the ranks different global shapes: on gloo the next
+    collective aborts a rank's process (gloo's size check, which Python cannot catch) while
+    another may return a wrong shape, as with PyTorch's styles: that is what
+    ``uneven_shards`` is for. To find the
     input, run with ``DTENSOR_CHECK_SHARDS=1``: every plain shard input then exchanges its
     sizes, and one taken as even that is not raises, naming the fix, on every rank.
     """
