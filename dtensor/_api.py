@@ -170,7 +170,13 @@ def _mesh_device(mesh) -> torch.device:
 
 
 def zeros(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):
-    """A DTensor of zeros. Example: ``zeros(7, 5, device_mesh=mesh, placements=[Shard(0)])``."""
+    """A DTensor of zeros, each rank allocating only its own block.
+
+    Example:
+        >>> z = zeros(7, 5, device_mesh=mesh, placements=[Shard(0)])   # mesh of 2 ranks
+        >>> z.to_local().shape   # torch.chunk rows: 4 on rank 0, 3 on rank 1
+        torch.Size([4, 5])
+    """
     return _factory(
         lambda s, d, _, dev: torch.zeros(s, dtype=d, device=dev),
         size,
@@ -183,7 +189,12 @@ def zeros(*size, device_mesh=None, placements=None, dtype=None, requires_grad=Fa
 
 
 def ones(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):
-    """A DTensor of ones. Example: ``ones(4, device_mesh=mesh)``."""
+    """A DTensor of ones (placements default to ``Replicate()`` on every mesh dim).
+
+    Example:
+        >>> ones(4, device_mesh=mesh).full_tensor()
+        tensor([1., 1., 1., 1.])
+    """
     return _factory(
         lambda s, d, _, dev: torch.ones(s, dtype=d, device=dev),
         size,
@@ -196,7 +207,13 @@ def ones(*size, device_mesh=None, placements=None, dtype=None, requires_grad=Fal
 
 
 def empty(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):
-    """An uninitialized DTensor. Example: ``empty(4, 4, device_mesh=mesh)``."""
+    """An uninitialized DTensor (fill it in place before reading it).
+
+    Example:
+        >>> e = empty(4, 4, device_mesh=mesh, placements=[Shard(1)])
+        >>> e.fill_(0.5).full_tensor().sum()
+        tensor(8.)
+    """
     return _factory(
         lambda s, d, _, dev: torch.empty(s, dtype=d, device=dev),
         size,
@@ -209,7 +226,12 @@ def empty(*size, device_mesh=None, placements=None, dtype=None, requires_grad=Fa
 
 
 def full(size, fill_value, *, device_mesh=None, placements=None, dtype=None, requires_grad=False):
-    """A DTensor filled with ``fill_value``. Example: ``full((2, 3), 7.0, device_mesh=mesh)``."""
+    """A DTensor filled with ``fill_value``; ``size`` is one tuple, as for ``torch.full``.
+
+    Example:
+        >>> full((2, 3), 7.0, device_mesh=mesh).full_tensor()[0]
+        tensor([7., 7., 7.])
+    """
     return _factory(
         lambda s, d, _, dev: torch.full(s, fill_value, dtype=d, device=dev),
         tuple(size),
@@ -264,14 +286,26 @@ def sync_rng_state(mesh, device: torch.device) -> None:
 
 
 def rand(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):
-    """Uniform [0, 1) values, equal to ``torch.rand(size)`` under the same seed."""
+    """Uniform [0, 1) values, equal to ``torch.rand(size)`` under the same seed.
+
+    Example:
+        >>> torch.manual_seed(0); r = rand(6, device_mesh=mesh, placements=[Shard(0)])
+        >>> torch.manual_seed(0); torch.equal(r.full_tensor(), torch.rand(6))
+        True
+    """
     return _factory(
         _random(torch.rand), size, device_mesh, placements, dtype, requires_grad, "dtensor.rand"
     )
 
 
 def randn(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):
-    """Standard normal values, equal to ``torch.randn(size)`` under the same seed."""
+    """Standard normal values, equal to ``torch.randn(size)`` under the same seed.
+
+    Example:
+        >>> torch.manual_seed(0); w = randn(8, 4, device_mesh=mesh, placements=[Shard(0)])
+        >>> torch.manual_seed(0); torch.equal(w.full_tensor(), torch.randn(8, 4))
+        True
+    """
     return _factory(
         _random(torch.randn), size, device_mesh, placements, dtype, requires_grad, "dtensor.randn"
     )

@@ -17,7 +17,12 @@ from dtensor.placement import (
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """Global shape, stride and dtype of a DTensor."""
+    """Global shape, stride and dtype of a DTensor.
+
+    Example:
+        >>> TensorMeta(torch.Size([7, 5]), contiguous_stride((7, 5)), torch.float32).stride
+        (5, 1)
+    """
 
     shape: torch.Size
     stride: tuple[int, ...]
@@ -26,7 +31,14 @@ class TensorMeta:
 
 @dataclass(frozen=True)
 class DTensorSpec:
-    """Where a DTensor lives (mesh), how it is laid out (placements) and its global meta."""
+    """Where a DTensor lives (mesh), how it is laid out (placements) and its global meta.
+
+    Example:
+        >>> from dtensor.spec import spec_of
+        >>> spec = spec_of(distribute_tensor(torch.randn(7, 5), mesh, [Shard(0)]))
+        >>> spec.placements, spec.shape
+        ((Shard(dim=0),), torch.Size([7, 5]))
+    """
 
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
@@ -80,6 +92,12 @@ class DTensorSpec:
 
 
 def contiguous_stride(shape) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (a size-0 dim counts as 1).
+
+    Example:
+        >>> contiguous_stride((2, 3, 4))
+        (12, 4, 1)
+    """
     stride, acc = [], 1
     for s in reversed(tuple(shape)):
         stride.append(acc)

@@ -196,7 +196,13 @@ StridedShard = _StridedShard
 
 
 class Replicate(Placement):
-    """Every rank of the mesh dim holds the whole tensor."""
+    """Every rank of the mesh dim holds the whole tensor.
+
+    Example:
+        >>> dt = distribute_tensor(torch.randn(4, 4), mesh, [Replicate()])
+        >>> dt.to_local().shape   # every rank holds all of it
+        torch.Size([4, 4])
+    """
 
     __slots__ = ()
 

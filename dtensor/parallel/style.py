@@ -73,6 +73,12 @@ class ParallelStyle:
 
     A subclass sets ``supported`` (module types; empty means any) and implements
     ``_apply(module, mesh, call)``, where ``call`` is the ``ParallelizeCall`` in progress.
+    A plan maps module paths to instances of its subclasses.
+
+    Example:
+        >>> plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel()}
+        >>> all(isinstance(style, ParallelStyle) for style in plan.values())
+        True
     """
 
     supported: tuple = ()
