@@ -57,8 +57,10 @@ class FSDPModule:
         """All-gather this module's parameters now; with ``async_op`` return a handle.
 
         The gathered parameters are kept for the module's next forward (which then issues no
-        all-gather); the module keeps registering its sharded parameters until that forward
-        runs, so ``parameters()`` and ``state_dict()`` are unchanged.
+        all-gather). Once the all-gather completes (at once, or at ``wait()`` with
+        ``async_op``) the module registers them, as PyTorch's FSDP2 does: its attributes and
+        ``parameters()`` are the unsharded tensors until ``reshard()`` or the forward that
+        reshards; ``state_dict()`` still gives the sharded DTensors.
 
         Example:
             >>> model.unshard()   # gathered now; forward uses them, reshard() frees them
