@@ -23,6 +23,7 @@ missing error, the line to add under its area's heading.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,7 +134,8 @@ class _Finder(ast.NodeVisitor):
         self.found.append(RaisedError(rel, node.lineno, qualname, cls, key, message))
 
 
-def raised_errors(root: Path = ROOT) -> list[RaisedError]:
+@functools.cache
+def raised_errors(root: Path = ROOT) -> tuple[RaisedError, ...]:
     """Every user-facing error raised in the library's source, in file order."""
     found = []
     for package in PACKAGES:
@@ -141,7 +143,7 @@ def raised_errors(root: Path = ROOT) -> list[RaisedError]:
             finder = _Finder(path)
             finder.visit(ast.parse(path.read_text(), filename=str(path)))
             found.extend(finder.found)
-    return found
+    return tuple(found)
 
 
 def _catalog_text() -> str:
