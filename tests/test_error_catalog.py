@@ -97,16 +97,17 @@ def _collapse(text: str) -> str:
     return " ".join(text.split())
 
 
-def _module(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def _module(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
 class _Finder(ast.NodeVisitor):
-    def __init__(self, path: Path) -> None:
-        self.path, self.module, self.scope, self.found = path, _module(path), [], []
+    def __init__(self, path: Path, root: Path) -> None:
+        self.path, self.root, self.scope, self.found = path, root, [], []
+        self.module = _module(path, root)
 
     def _scoped(self, node) -> None:
         self.scope.append(node.name)
@@ -130,7 +131,7 @@ class _Finder(ast.NodeVisitor):
         else:
             message = _collapse(template)
             key = message[:KEY_CHARS]
-        rel = str(self.path.relative_to(ROOT))
+        rel = str(self.path.relative_to(self.root))
         self.found.append(RaisedError(rel, node.lineno, qualname, cls, key, message))
 
 
@@ -140,7 +141,7 @@ def raised_errors(root: Path = ROOT) -> tuple[RaisedError, ...]:
     found = []
     for package in PACKAGES:
         for path in sorted((root / package).rglob("*.py")):
-            finder = _Finder(path)
+            finder = _Finder(path, root)
             finder.visit(ast.parse(path.read_text(), filename=str(path)))
             found.extend(finder.found)
     return tuple(found)
