@@ -428,10 +428,13 @@ class _Watchdog(threading.Thread):
             try:
                 self.step()
                 failures = 0
-            except Exception as e:  # the store went away (its host died) or timed out
+            except Exception as e:  # the store went away (its host ended or died)
+                if not dist.is_initialized():
+                    return
                 failures += 1
-                if failures == 1:
-                    logger.warning("flight recorder: cannot reach the c10d store: %s", e)
+                if failures == 3:  # nothing left to compare with: a rank's collectives fail
+                    logger.info("flight recorder: the c10d store is gone (%s); watchdog stops", e)
+                    return
 
     def publish(self) -> None:
         v = _version
