@@ -110,7 +110,7 @@ class _Group:
 _by_id: dict[int, _Group] = {}
 _groups: dict[str, _Group] = {}
 _world = None  # weakref to the default group the records belong to
-_scope: str | None = None
+_local = threading.local()  # .scope: per thread (async_save's thread has none of training's)
 _version = 0  # bumped by every note; the publisher compares it
 _lock = threading.Lock()  # group creation and resets (not the per-note path)
 _watchdog: _Watchdog | None = None
@@ -118,10 +118,15 @@ _ending = threading.Event()  # a verdict was reached: the watchdog is ending the
 
 
 def set_scope(scope: str | None) -> str | None:
-    """Set the scope later notes carry; returns the previous one."""
-    global _scope
-    prev, _scope = _scope, scope
+    """Set the scope this thread's later notes carry; returns the previous one."""
+    prev = getattr(_local, "scope", None)
+    _local.scope = scope
     return prev
+
+
+def current_scope() -> str | None:
+    """The scope this thread's notes carry now."""
+    return getattr(_local, "scope", None)
 
 
 def _resolve(group) -> _Group | None:
@@ -168,7 +173,7 @@ def note(kind: str, label, group_size: int, nbytes: int, group) -> None:
     if g is None:
         return
     seq = g.seq + 1
-    scope = _scope
+    scope = getattr(_local, "scope", None)
     crc = zlib.crc32(f"{kind}|{label}|{group_size}|{scope}".encode(), g.crc)
     g.seq, g.crc = seq, crc
     g.ring.append((seq, kind, label, group_size, nbytes, scope, crc, time.time()))

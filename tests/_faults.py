@@ -169,7 +169,7 @@ def _skip_one_all_gather(C, outdir: str) -> None:
     real = C.all_gather_rows
 
     def skipped(rows_in, group, group_size, **kwargs):
-        if _flight._scope != "fsdp blocks.0":
+        if _flight.current_scope() != "fsdp blocks.0":
             return real(rows_in, group, group_size, **kwargs)
         C.all_gather_rows = real
         _mark_fault(outdir)

@@ -214,3 +214,46 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+# ------------------------------------------------------------------ the analysis, in-process
+def _state(entries, untracked=False):
+    """A published state of group "7" (ranks 0-2) from ``[(kind, scope), ...]``."""
+    import zlib
+
+    ring, crc = [], 0
+    for seq, (kind, scope) in enumerate(entries, 1):
+        crc = zlib.crc32(f"{kind}|dp|3|{scope}".encode(), crc)
+        ring.append((seq, kind, "dp", 3, 1024, scope, crc, 100.0 + seq))
+    seq = ring[-1][0] if ring else 0
+    crc = ring[-1][6] if ring else 0
+    return {"pid": 1, "host": "h", "groups": {"7": ((0, 1, 2), seq, crc, untracked, ring)}}
+
+
+def test_analysis_names_the_rank_behind_and_where_ranks_diverge():
+    from dtensor import _flight
+
+    step = [("all_gather", "fsdp a"), ("all_gather", "fsdp b"), ("reduce_scatter", "fsdp b")]
+    states = {0: _state(step), 1: _state(step[:2]), 2: _state(step)}
+    text = _flight.analyse("7", states, now=110.0)
+    assert "rank 1 is behind: its last collective on group 7 (ranks 0,1,2) was #2 " in text
+    assert "all_gather(dp, 3 ranks, 1.0 KB, fsdp b)" in text
+    assert "rank(s) [0, 2] issued #3 reduce_scatter(dp, 3 ranks, 1.0 KB, fsdp b)" in text
+    assert "diverge" not in text
+
+    skipped = [step[1], step[2]]  # rank 2 skipped the all-gather of a: same op, other module
+    text = _flight.analyse("7", {0: _state(step[:2]), 1: _state(step[:2]), 2: _state(skipped)})
+    assert "ranks diverge at #1 on group 7" in text
+    assert "rank 0 #1 all_gather(dp, 3 ranks, 1.0 KB, fsdp a)" in text
+    assert "rank 2 #1 all_gather(dp, 3 ranks, 1.0 KB, fsdp b)" in text
+    assert "behind" not in text
+
+    text = _flight.analyse("7", {0: _state(step), 1: None, 2: _state(step)})
+    assert "rank(s) [1] published no record of group 7" in text
+
+
+def test_bad_settings_are_clear_errors():
+    with pytest.raises(ValueError, match="expected a number of seconds >= 0 or None"):
+        debug.set_collective_timeout(-1)
+    with pytest.raises(ValueError, match="entries must be an int >= 1"):
+        debug.set_flight_recorder(True, entries=0)
