@@ -157,7 +157,7 @@ def main() -> None:
         f"{r['note_share'] * 100:.3f} %",
         f"{r['poll_ms']:.2f} ms / {r['poll_interval_s']:g} s",
     )
-    Console().print(t)
+    Console(width=150).print(t)
 
 
 if __name__ == "__main__":
