@@ -555,7 +555,7 @@ def failure_report(names=None) -> str:
     names = [n for n in (_groups if names is None else names) if n in _groups]
     w = _watchdog
     if w is None:
-        return "no peer states (the watchdog is off)\n" + _own_entries(names)
+        return "no peer states (the watchdog is off)"
     members = sorted({r for n in names for r in _groups[n].ranks if len(_groups[n].ranks) > 1})
     states_all: dict[int, dict | None] = {}
     source = f"as last published (every {w.poll:g} s)"
@@ -576,7 +576,7 @@ def failure_report(names=None) -> str:
         if len(ranks) > 1:
             states = {r: states_all.get(r) for r in ranks}
             parts.append(f"{_group_label(name, list(ranks))}, {source}: {analyse(name, states)}")
-    return "; ".join(parts) + "\n" + _own_entries(names)
+    return "; ".join(parts)
 
 
 class failing:
@@ -597,11 +597,16 @@ class failing:
             time.sleep(60.0)
         report = failure_report()
         try:
-            exc.add_note(f"flight recorder: {report}")
+            exc.add_note(f"flight recorder: {report} (this rank's last collectives: its log)")
             exc._flight_noted = True
         except (AttributeError, TypeError):
             pass
-        logger.error("a collective failed (%s): %s", exc_type.__name__, report)
+        logger.error(
+            "a collective failed (%s): %s\n%s",
+            exc_type.__name__,
+            report,
+            _own_entries(list(_groups)),
+        )
         return False
 
 
