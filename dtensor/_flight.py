@@ -85,10 +85,19 @@ def _env_float(name: str, default: float | None) -> float | None:
     return value
 
 
+def _env_entries() -> int:
+    raw = os.environ.get(ENV_ENTRIES, "").strip()
+    if not raw:
+        return DEFAULT_ENTRIES
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{ENV_ENTRIES}={raw!r}: expected a whole number of entries >= 1.")
+    return int(raw)
+
+
 class _Config:
     enabled = os.environ.get(ENV_RECORDER, "1").strip().lower() not in ("0", "off", "false", "no")
     timeout: float | None = _env_float(ENV_TIMEOUT, None)  # None: the default group's
-    entries = int(os.environ.get(ENV_ENTRIES, DEFAULT_ENTRIES) or DEFAULT_ENTRIES)
+    entries = _env_entries()
 
 
 class _Group:
@@ -424,6 +433,7 @@ class _Watchdog(threading.Thread):
 
     def stop(self) -> None:
         self._halt.set()
+        self.name = "dtensor-flight-recorder (stopping)"  # ends within a poll
 
     def run(self) -> None:
         failures = 0

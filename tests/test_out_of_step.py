@@ -257,3 +257,37 @@ def test_bad_settings_are_clear_errors():
         debug.set_collective_timeout(-1)
     with pytest.raises(ValueError, match="entries must be an int >= 1"):
         debug.set_flight_recorder(True, entries=0)
+
+
+# ------------------------------------------------------------------ in the harness's pool
+def _records_fsdp_scopes():
+    import threading
+
+    import torch.distributed as dist
+
+    from device_mesh import init_device_mesh
+    from fsdp2 import fully_shard
+
+    model = _faults._model()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    before = len(debug.flight_record(mesh.get_group()))
+    model(torch.randn(4, 32)).sum().backward()
+    entries = debug.flight_record(mesh.get_group())
+    assert len(entries) > before
+    seqs = [int(e.split()[0][1:]) for e in entries]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs
+    text = "\n".join(entries[-12:])
+    for what in ("all_gather(", "reduce_scatter(", "fsdp blocks.0", "fsdp blocks.1", "fsdp root"):
+        assert what in text, text
+    # one watchdog thread per process, however many groups and steps
+    names = [t.name for t in threading.enumerate()]
+    assert names.count("dtensor-flight-recorder") == 1, names
+
+
+def test_fsdp_collectives_are_recorded_with_their_module():
+    from tests.harness import run_on_ranks
+
+    run_on_ranks(2, _records_fsdp_scopes)
