@@ -84,8 +84,10 @@ def distribute_tensor(
 def _broadcast(t, mesh, mesh_dim, src):
     t = t.contiguous().clone()
     group = mesh.get_group(mesh_dim)
-    debug.record("broadcast", mesh_dim, mesh.size(mesh_dim), t.numel() * t.element_size())
-    dist.broadcast(t, src=mesh.ranks_along(mesh_dim)[src], group=group)
+    nbytes = t.numel() * t.element_size()
+    debug.record("broadcast", mesh_dim, mesh.size(mesh_dim), nbytes, group=group)
+    with debug.annotate_failures():
+        dist.broadcast(t, src=mesh.ranks_along(mesh_dim)[src], group=group)
     return t
 
 
@@ -105,8 +107,10 @@ def _scatter(t, mesh, mesh_dim, tensor_dim, src):
             piece = moved.narrow(0, start, s)
             pieces.append(F.pad(piece, [0, 0] * (piece.ndim - 1) + [0, pad - s]).contiguous())
             start += s
-    debug.record("scatter", mesh_dim, k, out.numel() * out.element_size())
-    dist.scatter(out, pieces, src=mesh.ranks_along(mesh_dim)[src], group=mesh.get_group(mesh_dim))
+    group = mesh.get_group(mesh_dim)
+    debug.record("scatter", mesh_dim, k, out.numel() * out.element_size(), group=group)
+    with debug.annotate_failures():
+        dist.scatter(out, pieces, src=mesh.ranks_along(mesh_dim)[src], group=group)
     return out[: sizes[me]].movedim(0, tensor_dim).contiguous()
 
 

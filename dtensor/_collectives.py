@@ -116,7 +116,7 @@ def all_gather(
     sizes = chunk_sizes(full_size, k)
     if gathers_blocks(group):
         row_bytes = pad * (local.numel() // max(local.size(tensor_dim), 1)) * local.element_size()
-        debug.record("all_gather", _dim_label(mesh, mesh_dim), k, row_bytes)
+        debug.record("all_gather", _dim_label(mesh, mesh_dim), k, row_bytes, group=group)
         ws = _workspace.workspace_for_group(mesh, group)
         done = _gather_blocks(local, group, mesh.get_local_rank(mesh_dim), tensor_dim, sizes, ws)
         return done if async_op else Pending.ready(done.wait())
@@ -145,7 +145,7 @@ def all_reduce(local, mesh, mesh_dim: int, partial: Partial, *, async_op=False) 
     ws = _workspace.workspace_for_group(mesh, group)
     if all_reduces_blocks(group, partial, local, k):
         nbytes = local.numel() * local.element_size()
-        debug.record("all_reduce", _dim_label(mesh, mesh_dim), k, nbytes)
+        debug.record("all_reduce", _dim_label(mesh, mesh_dim), k, nbytes, group=group)
         flat, sizes, divide_by = _all_reduce_blocks_args(local, partial, k)
         idx = mesh.get_local_rank(mesh_dim)
         mine = _reduce_blocks(flat, group, idx, 0, sizes, divide_by, ws).wait()
@@ -153,8 +153,10 @@ def all_reduce(local, mesh, mesh_dim: int, partial: Partial, *, async_op=False) 
         done = Pending(None, lambda: gathered.wait().view(local.shape))
         return done if async_op else Pending.ready(done.wait())
     x, reduction, finish_fn = _prepare_reduce(local, partial, k, ws)
-    debug.record("all_reduce", _dim_label(mesh, mesh_dim), k, x.numel() * x.element_size())
-    work = dist.all_reduce(x, op=reduction.reduce_op, group=group, async_op=async_op)
+    nbytes = x.numel() * x.element_size()
+    debug.record("all_reduce", _dim_label(mesh, mesh_dim), k, nbytes, group=group)
+    with debug.annotate_failures():
+        work = dist.all_reduce(x, op=reduction.reduce_op, group=group, async_op=async_op)
     if async_op:
         return Pending(work, lambda: finish_fn(x))
     return Pending.ready(finish_fn(x))
@@ -180,7 +182,7 @@ def reduce_scatter(
     pad = padded_chunk_size(full, k)
     if reduce_scatters_blocks(group, partial):
         nbytes = k * pad * (local.numel() // max(full, 1)) * local.element_size()
-        debug.record("reduce_scatter", _dim_label(mesh, mesh_dim), k, nbytes)
+        debug.record("reduce_scatter", _dim_label(mesh, mesh_dim), k, nbytes, group=group)
         divide_by = reduction_of(partial, k).divide_by
         ws = _workspace.workspace_for_group(mesh, group)
         done = _reduce_blocks(local, group, idx, tensor_dim, sizes, divide_by, ws)
@@ -312,14 +314,16 @@ def all_to_all(
     if moves_shards_by_blocks(group):
         from_sizes, to_sizes = chunk_sizes(full_from, k), chunk_sizes(full_to, k)
         nbytes = local.numel() * local.element_size()
-        debug.record("all_to_all", _dim_label(mesh, mesh_dim), k, nbytes)
+        debug.record("all_to_all", _dim_label(mesh, mesh_dim), k, nbytes, group=group)
         ws = _workspace.workspace_for_group(mesh, group)
         done = _all_to_all_blocks(local, group, idx, from_dim, to_dim, from_sizes, to_sizes, ws)
         return done if async_op else Pending.ready(done.wait())
     send = _all_to_all_send(local, k, from_dim, to_dim, full_from, full_to)
     recv = torch.empty_like(send)
-    debug.record("all_to_all", _dim_label(mesh, mesh_dim), k, send.numel() * send.element_size())
-    work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+    nbytes = send.numel() * send.element_size()
+    debug.record("all_to_all", _dim_label(mesh, mesh_dim), k, nbytes, group=group)
+    with debug.annotate_failures():
+        work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
 
     def finish():
         return _all_to_all_unpack(recv, k, idx, from_dim, to_dim, full_from, full_to)
@@ -398,10 +402,10 @@ def broadcast(t: torch.Tensor, mesh, mesh_dim: int, src_local_rank: int) -> torc
     group = mesh.get_group(mesh_dim)
     src = mesh.ranks_along(mesh_dim)[src_local_rank]
     t = t.contiguous()
-    debug.record(
-        "broadcast", _dim_label(mesh, mesh_dim), mesh.size(mesh_dim), t.numel() * t.element_size()
-    )
-    dist.broadcast(t, src=src, group=group)
+    nbytes = t.numel() * t.element_size()
+    debug.record("broadcast", _dim_label(mesh, mesh_dim), mesh.size(mesh_dim), nbytes, group=group)
+    with debug.annotate_failures():
+        dist.broadcast(t, src=src, group=group)
     return t
 
 

@@ -31,6 +31,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from dtensor import _collectives as E
+from dtensor import _flight
 from dtensor._collectives import Pending
 from dtensor.comm import reduction_of
 from dtensor.placement import Partial, chunk_sizes, padded_chunk_size
@@ -130,6 +131,7 @@ del _op
 # ------------------------------------------------------------------------ the four collectives
 def all_gather(local, mesh, mesh_dim: int, tensor_dim: int, full_size: int, *, async_op=False):
     group = mesh.get_group(mesh_dim)
+    _flight.untracked(group)  # compiled collectives are not recorded
     k = mesh.size(mesh_dim)
     sizes = chunk_sizes(full_size, k)
     if E.gathers_blocks(group):
@@ -141,6 +143,7 @@ def all_gather(local, mesh, mesh_dim: int, tensor_dim: int, full_size: int, *, a
 
 def all_reduce(local, mesh, mesh_dim: int, partial: Partial, *, async_op=False):
     group, k = mesh.get_group(mesh_dim), mesh.size(mesh_dim)
+    _flight.untracked(group)  # compiled collectives are not recorded
     if E.all_reduces_blocks(group, partial, local, k):
         flat, sizes, divide_by = E._all_reduce_blocks_args(local, partial, k)
         idx = mesh.get_local_rank(mesh_dim)
@@ -155,6 +158,7 @@ def reduce_scatter(
     local, mesh, mesh_dim: int, tensor_dim: int, partial: Partial, *, async_op=False
 ):
     group = mesh.get_group(mesh_dim)
+    _flight.untracked(group)  # compiled collectives are not recorded
     k = mesh.size(mesh_dim)
     idx = mesh.get_local_rank(mesh_dim)
     full = local.size(tensor_dim)
@@ -182,6 +186,7 @@ def all_to_all(
     local, mesh, mesh_dim, from_dim, to_dim, full_from: int, full_to: int, *, async_op=False
 ):
     group = mesh.get_group(mesh_dim)
+    _flight.untracked(group)  # compiled collectives are not recorded
     k = mesh.size(mesh_dim)
     idx = mesh.get_local_rank(mesh_dim)
     if E.moves_shards_by_blocks(group):

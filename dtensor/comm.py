@@ -82,10 +82,11 @@ class Pending:
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
-            if self._work is not None:
-                self._work.wait()
-                self._work = None  # it references the buffers; a pool may hand them out now
-            self._result = self._finish()
+            with debug.annotate_failures():
+                if self._work is not None:
+                    self._work.wait()
+                    self._work = None  # it references the buffers; a pool may hand them out
+                self._result = self._finish()
             self._finish = None
         return self._result
 
@@ -219,7 +220,8 @@ def all_gather_rows(
         tensor([0., 1.])
     """
     n = rows_in.size(1)
-    debug.record("all_gather", mesh_dim_label(mesh, label), group_size, n * rows_in.element_size())
+    nbytes = n * rows_in.element_size()
+    debug.record("all_gather", mesh_dim_label(mesh, label), group_size, nbytes, group=group)
     out = _get(pool, (group_size, n), rows_in.dtype, rows_in.device)
     if backend_is_gloo(group):
         work = dist.all_to_all_single(out, rows_in, group=group, async_op=True)
@@ -296,9 +298,8 @@ def reduce_rows(
         tensor([1., 1., 1.])
     """
     k = rows.size(0)
-    debug.record(
-        "reduce_scatter", mesh_dim_label(mesh, label), k, rows.numel() * rows.element_size()
-    )
+    nbytes = rows.numel() * rows.element_size()
+    debug.record("reduce_scatter", mesh_dim_label(mesh, label), k, nbytes, group=group)
     if k == 1:
         return Pending(None, lambda: combine_rows(rows, divide_by, op))
     if reduces_rows_by_all_to_all(group, op):

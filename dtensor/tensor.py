@@ -15,7 +15,7 @@ import torch
 
 from device_mesh import DeviceMesh, as_device_mesh
 from dtensor import _collectives as C
-from dtensor import _workspace
+from dtensor import _workspace, debug
 from dtensor._redistribute import redistribute_local
 from dtensor._spec import DTensorSpec, TensorMeta, contiguous_stride
 from dtensor.placement import (
@@ -393,7 +393,9 @@ def _check_local(local: torch.Tensor, spec: DTensorSpec, api: str) -> torch.Tens
     mesh = spec.mesh
     expected, _ = spec.local_shape_and_offset()
     shapes: list = [None] * dist.get_world_size()
-    dist.all_gather_object(shapes, (dist.get_rank(), tuple(local.shape), expected))
+    debug.note_collective("all_gather_object", None, 0)
+    with debug.annotate_failures():
+        dist.all_gather_object(shapes, (dist.get_rank(), tuple(local.shape), expected))
     bad = [f"rank {r}: local {got}, expected {want}" for r, got, want in shapes if got != want]
     if bad:
         raise ValueError(

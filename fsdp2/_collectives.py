@@ -402,8 +402,9 @@ class _Exchange:
         self._keep = keep  # send sources that are temporaries (a cast or a layout change)
 
     def wait(self) -> None:
-        for work in self._works:
-            work.wait()
+        with debug.annotate_failures():
+            for work in self._works:
+                work.wait()
         self._works = self._keep = []
 
 
@@ -426,7 +427,7 @@ def gather_blocks(
     must call it for the same parameters in the same order: gloo matches the messages of
     one tag in posting order.
     """
-    debug.record("all_gather", mesh_dim_label(mesh, label), group.size(), row_bytes)
+    debug.record("all_gather", mesh_dim_label(mesh, label), group.size(), row_bytes, group=group)
     messages = [
         (lambda j, send=send: send, lambda j, blocks=blocks, counts=counts: blocks[j, : counts[j]])
         for send, blocks, counts in pieces
@@ -459,7 +460,8 @@ def reduce_blocks(
     ranks send are staged (one row per peer).
     """
     size = group.size()
-    debug.record("reduce_scatter", mesh_dim_label(mesh, label), size, size * width * flags.itemsize)
+    nbytes = size * width * flags.itemsize
+    debug.record("reduce_scatter", mesh_dim_label(mesh, label), size, nbytes, group=group)
     shape = (size - 1, width)  # row i: what the i-th other rank sent
     if pool is not None:
         recv = pool.get(shape, flags.dtype, flags.device)
@@ -524,5 +526,7 @@ def all_reduce_sum(t: torch.Tensor, group, *, label=None, mesh=None) -> None:
         mesh_dim_label(mesh, label),
         dist.get_world_size(group),
         t.numel() * t.element_size(),
+        group=group,
     )
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    with debug.annotate_failures():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)

@@ -41,6 +41,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from dtensor import debug
 from fsdp2 import _collectives as C
 from fsdp2._param import FSDPParam, MeshInfo
 from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -119,6 +120,7 @@ class FSDPParamGroup:
         self.pin_memory = self.offload and offload_policy.pin_memory
         self.post_forward = post_forward
         self.comm = None  # the root's CommContext, set at lazy init
+        self.scope = "fsdp"  # the flight recorder's name for it (its module's path, at lazy init)
         self.pool = None  # comm.pool, or comm.no_pool for a group whose shapes are unique
         # controls (FSDPModule.set_*)
         self.reshard_after_forward: bool | None = None  # None until lazy init resolves it
@@ -225,15 +227,16 @@ class FSDPParamGroup:
         )
         self.comm.hold_pages_for(sum(p.storage.nbytes for p in self.params))
         self._gathered_versions = [p.shard_version for p in self.params]
-        self._gather = C.foreach_all_gather(
-            self.params,
-            layout=self.layout,
-            device=self.device,
-            comm=self.comm,
-            pool=self.pool,
-            kept_rows=kept,
-            post_forward=self.post_forward,
-        )
+        with debug.collective_scope(self.scope):
+            self._gather = C.foreach_all_gather(
+                self.params,
+                layout=self.layout,
+                device=self.device,
+                comm=self.comm,
+                pool=self.pool,
+                kept_rows=kept,
+                post_forward=self.post_forward,
+            )
 
     def _shards_changed(self) -> bool:
         """Whether a shard was written since the all-gather that filled the unsharded
@@ -331,15 +334,16 @@ class FSDPParamGroup:
             return None
         hsdp = self.mesh_info.replicate_mesh_dim is not None
         divided = not hsdp and self.all_reduce_hook is None
-        reduction = C.foreach_reduce(
-            with_grad,
-            grads,
-            dtype=self.reduce_dtype,
-            device=self.device,
-            comm=self.comm,
-            pool=self.pool,
-            divide_by=self._divide_factor() if divided else 1.0,
-        )
+        with debug.collective_scope(self.scope):
+            reduction = C.foreach_reduce(
+                with_grad,
+                grads,
+                dtype=self.reduce_dtype,
+                device=self.device,
+                comm=self.comm,
+                pool=self.pool,
+                divide_by=self._divide_factor() if divided else 1.0,
+            )
         local_flags = [g is not None for g in grads]
         return PendingReduce(self, reduction, with_grad, local_flags, divided)
 
@@ -359,9 +363,10 @@ class FSDPParamGroup:
             if not self.requires_all_reduce:
                 self._partial_reduce = row
                 return
-            C.all_reduce_sum(
-                row, info.replicate_group, label=info.replicate_mesh_dim, mesh=info.mesh
-            )
+            with debug.collective_scope(self.scope):
+                C.all_reduce_sum(
+                    row, info.replicate_group, label=info.replicate_mesh_dim, mesh=info.mesh
+                )
         n = row.numel() - len(params)
         values, flags = row[:n], row[n:]
         if self.all_reduce_hook is not None:

@@ -203,6 +203,8 @@ class FSDPState:
                 s.group.reshard_after_forward = (not s.is_root) if arg is None else bool(arg)
                 s.group.check_offload()
                 s.group.comm = ctx.comm
+                names = ", ".join(paths.get(id(m)) or "root" for m in s.group.modules)
+                s.group.scope = f"fsdp {names}"  # what the flight recorder calls it
         _share_buffer_pool(groups, ctx.comm)
         logger.debug("fully_shard root %r manages %d groups", self, len(states))
 

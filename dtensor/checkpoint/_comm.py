@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from device_mesh import groups
+from dtensor import debug
 from dtensor.checkpoint.errors import CheckpointError
 
 
@@ -64,13 +65,17 @@ class Group:
         device = self._device()
         size = torch.tensor([len(data)], dtype=torch.int64, device=device)
         sizes = [torch.empty_like(size) for _ in range(self.size)]
-        dist.all_gather(sizes, size, group=self.pg)
+        debug.note_collective("all_gather", self.pg, 8, mesh_dim="checkpoint")
+        with debug.annotate_failures():
+            dist.all_gather(sizes, size, group=self.pg)
         longest = max(int(s.item()) for s in sizes)
         mine = torch.zeros(longest, dtype=torch.uint8)
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         mine = mine.to(device)
         parts = [torch.empty_like(mine) for _ in range(self.size)]
-        dist.all_gather(parts, mine, group=self.pg)
+        debug.note_collective("all_gather", self.pg, longest, mesh_dim="checkpoint")
+        with debug.annotate_failures():
+            dist.all_gather(parts, mine, group=self.pg)
         return [
             json.loads(bytes(p[: int(s.item())].cpu().numpy()))
             for p, s in zip(parts, sizes, strict=True)

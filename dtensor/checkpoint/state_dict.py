@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtensor import debug
 from dtensor.checkpoint._comm import Group
 from dtensor.checkpoint._flatten import decode_value, encode_value
 from dtensor.checkpoint._reshard import relative_slices
@@ -261,7 +262,10 @@ def _broadcast_tensor(value, like, group: Group) -> torch.Tensor:
     if group.rank == 0:
         full.copy_(value)
     if group.pg is not None:
-        dist.broadcast(full, src=dist.get_global_rank(group.pg, 0), group=group.pg)
+        nbytes = full.numel() * full.element_size()
+        debug.note_collective("broadcast", group.pg, nbytes, mesh_dim="checkpoint")
+        with debug.annotate_failures():
+            dist.broadcast(full, src=dist.get_global_rank(group.pg, 0), group=group.pg)
     return full
 
 

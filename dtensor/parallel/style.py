@@ -243,8 +243,12 @@ def _exchanged_size(x: torch.Tensor, dim: int, mesh, even: bool) -> int:
     (with ``even``, equal ones: the check of ``DTENSOR_CHECK_SHARDS=1``)."""
     mine = torch.tensor([x.shape[dim]], dtype=torch.int64, device=x.device)
     sizes = [torch.empty_like(mine) for _ in range(mesh.size())]
-    debug.record("all_gather", mesh_dim_label(mesh, 0), mesh.size(), mine.element_size())
-    dist.all_gather(sizes, mine, group=mesh.get_group())
+    group = mesh.get_group()
+    debug.record(
+        "all_gather", mesh_dim_label(mesh, 0), mesh.size(), mine.element_size(), group=group
+    )
+    with debug.annotate_failures():
+        dist.all_gather(sizes, mine, group=group)
     sizes = torch.cat(sizes).tolist()  # one read on the host
     total = sum(sizes)
     if even and len(set(sizes)) != 1:

@@ -1,0 +1,293 @@
+"""Fault injection: a rank out of step is named, and a rank that dies or raises ends the job.
+
+Each test starts a small FSDP training job (tests/_faults.py) in child processes of its own
+(a forkserver that has imported torch once, so a world starts in well under a second),
+makes rank 1 misbehave once at step 2, and checks that every process ends non-zero within
+a bound, that none is left running, and what the surviving ranks logged: the rank out of
+step and its collective, or the rank that died. The flight recorder's watchdog runs with a
+2 s timeout. How long each rank took from the fault to its exit is recorded as a test
+property (``pytest --junitxml``): ``detect_s_rank{r}``.
+
+The full matrix (every fault, 3 ranks, torchrun) is marked slow and runs only with
+``FAULTS_FULL=1`` in the environment; ``make test`` runs a sample: a skipped FSDP all-gather, a different collective, a sleeping
+rank, a killed rank and a kill inside ``dtensor.checkpoint.save``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtensor import debug
+from tests import _faults
+
+TIMEOUT_S = 2.0
+# a generous bound on a job's whole life on this shared 2-core machine (the detection
+# itself takes about TIMEOUT_S; the figures are recorded, not asserted)
+DEADLINE_S = 90.0
+EXIT = debug.FLIGHT_EXIT_CODE
+
+_CTX = None
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "fsdp2", "dtensor.checkpoint", "tests._faults"])
+    return _CTX
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_job(fault: str, outdir: Path, world: int = 2):
+    """Run the job; return (exit codes, {rank: seconds from the fault to its exit}, logs)."""
+    ctx = _context()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_faults.worker, args=(r, world, port, fault, str(outdir), TIMEOUT_S))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    ended: dict[int, float] = {}
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while len(ended) < world and time.monotonic() < deadline:
+            for r, p in enumerate(procs):
+                if r not in ended and not p.is_alive():
+                    ended[r] = time.time()
+            time.sleep(0.02)
+    finally:
+        left = [p.pid for p in procs if p.is_alive()]
+        for p in procs:  # only the processes this test started, by handle
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+    assert not left, f"{fault}: processes {left} still running after {DEADLINE_S:.0f} s"
+    fault_file = outdir / "fault_time"
+    detect = {}
+    if fault_file.exists():
+        t_fault = float(fault_file.read_text())
+        detect = {r: round(t - t_fault, 3) for r, t in ended.items()}
+    logs = {r: _read(outdir / f"rank{r}.log") for r in range(world)}
+    return [p.exitcode for p in procs], detect, logs
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+def _record(record_property, detect: dict) -> None:
+    for r, s in detect.items():
+        record_property(f"detect_s_rank{r}", s)
+
+
+# fault -> (text every surviving rank must log, the survivors' exit codes allowed)
+OUT_OF_STEP = {
+    # gloo paired rank 0's all-gather of blocks.0 with rank 1's of blocks.1 (same size)
+    "skip_all_gather": (["ranks diverge at #", "rank 0 #", "fsdp blocks.0", "rank 1 #"], {EXIT}),
+    "other_collective": (
+        ["ranks diverge at #", "all_gather(dp", "rank 1 #", "all_reduce(dp"],
+        {EXIT},
+    ),
+    "sleep": (["rank 1 is behind: its last collective on group", "rank(s) [0] issued #"], {EXIT}),
+}
+DEATHS = {
+    "kill": -signal.SIGKILL,
+    "exit": 3,
+    "raise_forward": 1,
+    "raise_backward": 1,
+    "raise_in_collective": 1,
+    "kill_in_save": -signal.SIGKILL,
+}
+FAST = {"skip_all_gather", "other_collective", "sleep", "kill", "kill_in_save"}
+
+
+# the rest of the matrix: opt-in (FAULTS_FULL=1), as the slow marker does not deselect
+FULL = os.environ.get("FAULTS_FULL") == "1"
+full_matrix = pytest.mark.skipif(not FULL, reason="the full fault matrix runs with FAULTS_FULL=1")
+
+
+def _mark(fault: str):
+    return () if fault in FAST else (pytest.mark.slow, full_matrix)
+
+
+@pytest.mark.parametrize(
+    "fault", [pytest.param(f, marks=_mark(f)) for f in OUT_OF_STEP], ids=list(OUT_OF_STEP)
+)
+def test_out_of_step_rank_is_named(fault, tmp_path, record_property):
+    codes, detect, logs = _run_job(fault, tmp_path)
+    _record(record_property, detect)
+    expected, allowed = OUT_OF_STEP[fault]
+    # every rank ends, with the watchdog's exit code, having logged the verdict
+    assert all(c in allowed for c in codes), (codes, logs)
+    for r in (0, 1):
+        missing = [e for e in expected if e not in logs[r]]
+        assert not missing, f"rank {r} did not log {missing}:\n{logs[r][-3000:]}"
+        assert f"ending this process with exit code {EXIT}" in logs[r]
+
+
+@pytest.mark.parametrize(
+    "fault", [pytest.param(f, marks=_mark(f)) for f in DEATHS], ids=list(DEATHS)
+)
+def test_rank_death_ends_the_job(fault, tmp_path, record_property):
+    codes, detect, logs = _run_job(fault, tmp_path)
+    _record(record_property, detect)
+    assert codes[1] == DEATHS[fault], (codes, logs[1][-3000:])
+    assert codes[0] not in (0, None), (codes, logs[0][-3000:])
+    # rank 0 says why: the watchdog's verdict or the failed collective's analysis
+    if codes[0] != EXIT:
+        assert "a collective failed" in logs[0], logs[0][-3000:]
+    if DEATHS[fault] < 0 or fault == "exit":  # the process is gone: rank 0 can tell
+        assert "rank 1 (pid " in logs[0] and "is no longer running" in logs[0], logs[0][-3000:]
+    if fault == "kill_in_save":
+        _check_last_checkpoint(tmp_path)
+
+
+def _check_last_checkpoint(outdir: Path) -> None:
+    """The checkpoint the killed save was replacing still loads, with step 1's values."""
+    from dtensor import checkpoint as dcp
+
+    expected = torch.load(outdir / "expected-1.pt")
+    assert not (outdir / "expected-3.pt").exists()  # the second save never completed
+    sd = {"model": _faults._model().state_dict()}
+    dcp.load(sd, checkpoint_id=outdir / "ckpt")
+    assert sd["model"].keys() == expected.keys()
+    for k, v in expected.items():
+        assert torch.equal(sd["model"][k], v), k
+
+
+@pytest.mark.slow
+@full_matrix
+def test_three_ranks_one_sleeps(tmp_path, record_property):
+    codes, detect, logs = _run_job("sleep", tmp_path, world=3)
+    _record(record_property, detect)
+    assert codes == [EXIT] * 3, codes
+    for r in range(3):
+        assert "rank 1 is behind" in logs[r], logs[r][-3000:]
+
+
+@pytest.mark.slow
+@full_matrix
+@pytest.mark.parametrize("fault", ["kill", "sleep"])
+def test_under_torchrun(fault, tmp_path):
+    """torchrun's agent ends the job non-zero and leaves no worker behind."""
+    root = Path(__file__).resolve().parent.parent
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "tests._faults"]
+    cmd += [fault, str(tmp_path), str(TIMEOUT_S)]
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = proc.communicate(timeout=DEADLINE_S * 2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0, out.decode()[-3000:]
+    pids = _worker_pids(tmp_path)
+    assert pids, "the workers wrote no pid files"
+    alive = [p for p in pids if _alive(p)]
+    assert not alive, f"workers {alive} outlived torchrun"
+
+
+def _worker_pids(outdir: Path) -> list[int]:
+    return [int(p.read_text()) for p in outdir.glob("pid-*")]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------ the analysis, in-process
+def _state(entries, untracked=False):
+    """A published state of group "7" (ranks 0-2) from ``[(kind, scope), ...]``."""
+    import zlib
+
+    ring, crc = [], 0
+    for seq, (kind, scope) in enumerate(entries, 1):
+        crc = zlib.crc32(f"{kind}|dp|3|{scope}".encode(), crc)
+        ring.append((seq, kind, "dp", 3, 1024, scope, crc, 100.0 + seq))
+    seq = ring[-1][0] if ring else 0
+    crc = ring[-1][6] if ring else 0
+    return {"pid": 1, "host": "h", "groups": {"7": ((0, 1, 2), seq, crc, untracked, ring)}}
+
+
+def test_analysis_names_the_rank_behind_and_where_ranks_diverge():
+    from dtensor import _flight
+
+    step = [("all_gather", "fsdp a"), ("all_gather", "fsdp b"), ("reduce_scatter", "fsdp b")]
+    states = {0: _state(step), 1: _state(step[:2]), 2: _state(step)}
+    text = _flight.analyse("7", states, now=110.0)
+    assert "rank 1 is behind: its last collective on group 7 (ranks 0,1,2) was #2 " in text
+    assert "all_gather(dp, 3 ranks, 1.0 KB, fsdp b)" in text
+    assert "rank(s) [0, 2] issued #3 reduce_scatter(dp, 3 ranks, 1.0 KB, fsdp b)" in text
+    assert "diverge" not in text
+
+    skipped = [step[1], step[2]]  # rank 2 skipped the all-gather of a: same op, other module
+    text = _flight.analyse("7", {0: _state(step[:2]), 1: _state(step[:2]), 2: _state(skipped)})
+    assert "ranks diverge at #1 on group 7" in text
+    assert "rank 0 #1 all_gather(dp, 3 ranks, 1.0 KB, fsdp a)" in text
+    assert "rank 2 #1 all_gather(dp, 3 ranks, 1.0 KB, fsdp b)" in text
+    assert "behind" not in text
+
+    text = _flight.analyse("7", {0: _state(step), 1: None, 2: _state(step)})
+    assert "rank(s) [1] published no record of group 7" in text
+
+
+def test_bad_settings_are_clear_errors():
+    with pytest.raises(ValueError, match="expected a number of seconds >= 0 or None"):
+        debug.set_collective_timeout(-1)
+    with pytest.raises(ValueError, match="entries must be an int >= 1"):
+        debug.set_flight_recorder(True, entries=0)
+
+
+# ------------------------------------------------------------------ in the harness's pool
+def _records_fsdp_scopes():
+    import threading
+
+    import torch.distributed as dist
+
+    from device_mesh import init_device_mesh
+    from fsdp2 import fully_shard
+
+    model = _faults._model()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    before = len(debug.flight_record(mesh.get_group()))
+    model(torch.randn(4, 32)).sum().backward()
+    entries = debug.flight_record(mesh.get_group())
+    assert len(entries) > before
+    seqs = [int(e.split()[0][1:]) for e in entries]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs
+    text = "\n".join(entries[-12:])
+    for what in ("all_gather(", "reduce_scatter(", "fsdp blocks.0", "fsdp blocks.1", "fsdp root"):
+        assert what in text, text
+    # one watchdog thread per process, however many groups and steps
+    names = [t.name for t in threading.enumerate()]
+    assert names.count("dtensor-flight-recorder") == 1, names
+
+
+def test_fsdp_collectives_are_recorded_with_their_module():
+    from tests.harness import run_on_ranks
+
+    run_on_ranks(2, _records_fsdp_scopes)
