@@ -266,14 +266,16 @@ def _fsdp_int_reshard() -> None:
     assert sizes == [2, 2, 4, 4, 4], sizes
 
 
-def _layout_ledger(names, shape, loss_par: bool = False, mp: bool = False) -> None:
+def _layout_ledger(names, shape, loss_par: bool = False, mp: bool = False, ac: bool = False):
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     tp_size = dict(zip(names, shape)).get("tp", 1)
     cfg = _cfg(dim=32, n_heads=4, max_seq_len=8, fused_qkv=False)
     torch.manual_seed(0)
     model = GPT(cfg)
     plan = {"tp_plan": tp_plan(loss_parallel=loss_par)} if tp_size > 1 else {}
-    parallelize_transformer(model, mesh, mp_policy=BF16 if mp else None, **plan)
+    parallelize_transformer(
+        model, mesh, mp_policy=BF16 if mp else None, activation_checkpointing=ac, **plan
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     seq = 6
     tp = None
@@ -287,6 +289,7 @@ def _layout_ledger(names, shape, loss_par: bool = False, mp: bool = False) -> No
             tp_size=tp_size,
             dtype=torch.bfloat16 if mp else torch.float32,
             loss_parallel=loss_par,
+            activation_checkpointing=ac,
         )
     ledger = CommLedger(expected_step_comms(model, tp=tp, clip_grad_norm=True))
 
@@ -307,7 +310,7 @@ def _layout_ledger(names, shape, loss_par: bool = False, mp: bool = False) -> No
 
 @pytest.mark.parametrize(
     "case",
-    ["hsdp", "fsdp+tp", "fsdp+tp-loss-parallel", "fsdp+tp-bf16", "fsdp-reshard-int"],
+    ["hsdp", "fsdp+tp", "fsdp+tp-loss-parallel", "fsdp+tp-bf16-ac", "fsdp-reshard-int"],
 )
 def test_layouts_at_four_ranks(case):
     if case == "fsdp-reshard-int":
@@ -322,6 +325,7 @@ def test_layouts_at_four_ranks(case):
             shape=(2, 2),
             loss_par="loss-parallel" in case,
             mp="bf16" in case,
+            ac="ac" in case.split("-"),
         )
 
 
@@ -332,13 +336,17 @@ _TORCH_KINDS = {
     "_reduce_scatter_base_": "reduce_scatter",
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "allreduce_": "all_reduce",
+    # the tensor-parallel styles use functional collectives
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_reduce": "all_reduce",
 }
 
 
 def _torch_counts(mode: TorchCommDebugMode) -> dict[str, int]:
     out: dict[str, int] = {}
     for op, n in mode.get_comm_counts().items():
-        name = str(op).split("op='")[-1].rstrip("')").split(".")[-1]
+        name = str(op).split(".")[-1]  # "c10d._allgather_base_", "c10d_functional.all_reduce"
         kind = _TORCH_KINDS[name]
         out[kind] = out.get(kind, 0) + n
     return out
@@ -378,3 +386,46 @@ def _against_torch(shape, reshard_after_forward) -> None:
 def test_counts_equal_pytorch_fsdp2_under_its_comm_debug_mode(shape, reshard_after_forward):
     ws = 4 if len(shape) == 2 else 2
     run_on_ranks(ws, _against_torch, shape=shape, reshard_after_forward=reshard_after_forward)
+
+
+def _against_torch_2d() -> None:
+    """PyTorch's styles on the same plan, FSDP2 over "dp": the same FSDP collectives and
+    tensor-parallel reduce-scatters; no re-gathers in backward (2 per block + the head) and
+    no all-reduce of the row-parallel biases' gradients (PyTorch adds them before the
+    reduce-scatter; see TransformerTP)."""
+    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
+
+    cfg = _cfg(dim=32, n_heads=4, max_seq_len=8, fused_qkv=False)
+    x, y = _batch(0, 6)
+    mesh = torch_init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    torch_parallelize(model, mesh["tp"], tp_plan(use_torch=True))
+    for block in model.blocks:
+        torch_fully_shard(block, mesh=mesh["dp"])
+    torch_fully_shard(model, mesh=mesh["dp"])
+    for _ in range(2):  # the first step initializes
+        with TorchCommDebugMode() as theirs:
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    got = _torch_counts(theirs)
+    tp = TransformerTP(n_layers=2, batch=BATCH, seq=6, dim=32, vocab=VOCAB, tp_size=2)
+    ours = _layout_expectation(cfg, tp).get_comm_counts()
+    n = cfg.n_layers
+    assert got == {
+        "all_gather": ours["all_gather"] - (2 * n + 1),
+        "reduce_scatter": ours["reduce_scatter"],
+        "all_reduce": ours["all_reduce"] - 2 * n,
+    }, (got, ours)
+
+
+def _layout_expectation(cfg, tp):
+    """Our expectation for ``cfg`` under parallelize_transformer over a (dp=2, tp=2) mesh."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        model = GPT(cfg)
+    parallelize_transformer(model, mesh, tp_plan=tp_plan())
+    return expected_step_comms(model, tp=tp)
+
+
+def test_two_d_counts_against_pytorch_styles_and_fsdp2():
+    run_on_ranks(4, _against_torch_2d)

@@ -506,10 +506,20 @@ class TransformerTP:
 
     Norms have ``norm_params`` parameters each (2 for LayerNorm, 1 for RMSNorm);
     ``bias=False`` drops the row-parallel biases' all-reduces; ``regather_in_backward=False``
-    (PyTorch's styles) keeps the gathered inputs instead of gathering them again. Not
-    modelled: ``uneven_shards`` (a small all-gather of sizes per sequence-parallel input)
-    and activation checkpointing (the recomputed forward repeats a block's forward
-    collectives).
+    (PyTorch's styles) keeps the gathered inputs instead of gathering them again.
+
+    ``activation_checkpointing`` (each block checkpointed, as ``parallelize_transformer``
+    does): the recomputation in backward runs the block up to the last tensor checkpointing
+    saved itself - the second norm's input - so attention's input all-gather and its output
+    reduce-scatter run once more per block. The tensors saved inside the attention and MLP
+    modules are held by the regather hooks, not by checkpointing, so the MLP is not
+    recomputed (measured; only modelled with ``regather_in_backward=True``).
+
+    PyTorch's styles on the same plan send, per step, ``2 * n_layers + 1`` fewer all-gathers
+    (no re-gather) and ``2 * n_layers`` fewer all-reduces: PyTorch adds a row-parallel
+    bias before the reduce-scatter (its gradient then needs no reduction), this library after
+    it, on sequence shards. Not modelled: ``uneven_shards`` (a small all-gather of sizes per
+    sequence-parallel input).
 
     Example:
         >>> tp = TransformerTP(n_layers=2, batch=2, seq=6, dim=32, vocab=67, tp_size=2)
@@ -531,8 +541,14 @@ class TransformerTP:
     norm_params: int = 2
     position_embedding: bool = True
     regather_in_backward: bool = True
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
+        if self.activation_checkpointing and not self.regather_in_backward:
+            raise NotImplementedError(
+                "TransformerTP: activation_checkpointing is modelled with "
+                "regather_in_backward=True only (the styles' default)."
+            )
         for name in ("n_layers", "batch", "seq", "dim", "vocab", "tp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < (1 if name != "n_layers" else 0):
@@ -574,6 +590,9 @@ class TransformerTP:
             c("reduce_scatter", t * d * item, "forward", "pos_emb")
             c("all_gather", _ceil_div(t, k) * d * item, "backward", "pos_emb")
         for i in range(self.n_layers):
+            if self.activation_checkpointing:  # recomputed up to the second norm's input
+                c("all_gather", shard, "backward", f"blocks.{i}.attn (recomputed)")
+                c("reduce_scatter", full, "backward", f"blocks.{i}.attn.proj (recomputed)")
             for part in ("attn", "mlp"):
                 norm(f"blocks.{i}.{'ln1' if part == 'attn' else 'ln2'}")
                 gathered_input(f"blocks.{i}.{part}")
