@@ -41,7 +41,7 @@ Example:
     >>> block = GroupSpec([ParamSpec((7, 3)), ParamSpec((7,))], shard_size=2, mesh_dim="dp")
     >>> exp = expected_step_comms([block])
     >>> exp.by_mesh_dim()[("all_gather", "dp")]    # (count, bytes): forward + backward
-    (2, 96)
+    (2, 128)
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ class ExpectedCollective:
     belongs to.
 
     Example:
-        >>> ExpectedCollective("all_gather", "dp", 2, 96, "forward", "blocks.0")
+        >>> ExpectedCollective("all_gather", "dp", 2, 64, "forward", "blocks.0")
     """
 
     kind: str
@@ -209,11 +209,11 @@ class CommExpectation:
     """The collectives of one step, with the views ``CommDebugMode`` offers.
 
     Example:
-        >>> exp = expected_step_comms(model)           # a model fully_shard'ed over "dp"
+        >>> exp = expected_step_comms(model)    # the GPT of docs/tools.md over 2 ranks
         >>> exp.get_comm_counts()
         {'all_gather': 5, 'reduce_scatter': 3}
         >>> exp.by_mesh_dim()[("reduce_scatter", "dp")]   # (count, bytes per rank)
-        (3, 52704)
+        (3, 439528)
     """
 
     records: list[ExpectedCollective] = field(default_factory=list)
@@ -246,8 +246,10 @@ def summarize(records: Iterable) -> dict[tuple[str, str | int | None], tuple[int
     ``bytes`` (ours or ``dtensor.debug``'s), in first-seen order.
 
     Example:
-        >>> summarize(CommDebugMode_instance.records)
-        {('all_gather', 'dp'): (3, 5520)}
+        >>> with CommDebugMode() as mode:
+        ...     gpt_loss(model, x, y).backward()
+        >>> summarize(mode.records)[("all_gather", "dp")]
+        (5, 419584)
     """
     out: dict[tuple[str, str | int | None], list[int]] = {}
     for r in records:
@@ -267,7 +269,7 @@ def fsdp_group_comms(
     Example:
         >>> g = GroupSpec([ParamSpec((7, 3))], shard_size=2, mesh_dim="dp")
         >>> [(c.kind, c.bytes) for c in fsdp_group_comms(g)]
-        [('all_gather', 48), ('all_gather', 48), ('reduce_scatter', 80)]
+        [('all_gather', 48), ('all_gather', 48), ('reduce_scatter', 104)]
     """
     if not group.params or group.trivial:
         return []
@@ -320,8 +322,8 @@ def groups_of(model: torch.nn.Module) -> list[GroupSpec]:
         ValueError: ``model`` holds no ``fully_shard`` module.
 
     Example:
-        >>> [g.name for g in groups_of(model)]
-        ['blocks.0', 'blocks.1', '']
+        >>> [g.name for g in groups_of(model)]     # outermost (the root) first
+        ['', 'blocks.0', 'blocks.1']
     """
     from fsdp2._state import states_below  # fsdp2's own runtime: read, never changed
 
@@ -411,9 +413,9 @@ def expected_step_comms(
         ValueError: ``micro_batches`` below 1.
 
     Example:
-        >>> exp = expected_step_comms(model)
+        >>> exp = expected_step_comms(model)    # the GPT of docs/tools.md over 2 ranks
         >>> exp.by_mesh_dim()
-        {('all_gather', 'dp'): (5, 60160), ('reduce_scatter', 'dp'): (3, 60464)}
+        {('all_gather', 'dp'): (5, 419584), ('reduce_scatter', 'dp'): (3, 439528)}
     """
     if not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(
@@ -445,7 +447,7 @@ def clip_grad_comms(groups: Iterable[GroupSpec]) -> list[ExpectedCollective]:
 
     Example:
         >>> [(c.kind, c.mesh_dim, c.bytes) for c in clip_grad_comms(groups_of(model))]
-        [('all_reduce', 'dp', 148)]
+        [('all_reduce', 'dp', 116)]
     """
     meshes: dict[tuple, list[ParamSpec]] = {}
     for g in groups:

@@ -46,7 +46,7 @@ class LedgerRow:
     Example:
         >>> row = ledger.last.rows[0]
         >>> row.kind, row.mesh_dim, row.count, row.bytes, row.matches
-        ('all_gather', 'dp', 5, 60160, True)
+        ('all_gather', 'dp', 5, 419584, True)
     """
 
     kind: str
@@ -125,7 +125,7 @@ class CommLedger:
         >>> with ledger.step():
         ...     loss_fn(model(x), y).backward(); opt.step()
         >>> ledger.last.ok, ledger.last.counts()[("all_gather", "dp")]
-        (True, (5, 60160))
+        (True, (5, 419584))
     """
 
     def __init__(self, expected=None, *, name: str = "step") -> None:
@@ -228,8 +228,9 @@ def format_ledger(entry: StepEntry) -> str:
 
     Example:
         >>> print(format_ledger(ledger.last))
-        step 0            count  bytes/rank   expected          ok
-        all_gather  dp        5    58.8 KiB   5   58.8 KiB      yes
+        step 0                       count  bytes/rank   expected            ok
+        all_gather      dp               5   409.8 KiB     5  409.8 KiB      yes
+        reduce_scatter  dp               3   429.2 KiB     3  429.2 KiB      yes
     """
     head = f"{'step ' + str(entry.index):<28}{'count':>6} {'bytes/rank':>11}   {'expected':<20}ok"
     lines = [head]
