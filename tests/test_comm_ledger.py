@@ -90,6 +90,12 @@ def test_fully_shard_group_rules():
     # HSDP: the reduced row is all-reduced over the replicate dim
     hsdp = GroupSpec(params, 2, "shard", replicate_size=3, replicate_mesh_dim="rep")
     assert _kinds(fsdp_group_comms(hsdp))[-1] == ("all_reduce", "rep", 3, 18 * 4, "backward")
+    rs_only = fsdp_group_comms(
+        hsdp, micro_batches=3, sync_every_micro_batch=True, all_reduce_every_micro_batch=False
+    )
+    assert [r.kind for r in rs_only if r.kind != "all_gather"] == [
+        "reduce_scatter", "reduce_scatter", "reduce_scatter", "all_reduce"
+    ]  # fmt: skip
     # accumulation: gathers per micro-batch, one reduction unless told to sync each time
     three = fsdp_group_comms(g, micro_batches=3)
     assert [r.kind for r in three].count("all_gather") == 6
@@ -266,6 +272,30 @@ def _fsdp_int_reshard() -> None:
     assert sizes == [2, 2, 4, 4, 4], sizes
 
 
+def _hsdp_reduce_scatter_only_micro_batches() -> None:
+    """Three micro-batches reduce-scattered each, all-reduced across replicas only at the
+    last (``set_requires_all_reduce(False)`` before it)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = GPT(_cfg())
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    exp = expected_step_comms(
+        model, micro_batches=3, sync_every_micro_batch=True, all_reduce_every_micro_batch=False
+    )
+    ledger = CommLedger(exp)
+
+    def step(i):
+        for m in range(3):
+            model.set_requires_all_reduce(m == 2)
+            x, y = _batch(10 * i + m)
+            gpt_loss(model, x, y).backward()
+
+    _check_steps(model, ledger, step)
+    assert ledger.last.counts()[("all_reduce", "replicate")][0] == 3  # one per group
+
+
 def _layout_ledger(names, shape, loss_par: bool = False, mp: bool = False, ac: bool = False):
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     tp_size = dict(zip(names, shape)).get("tp", 1)
@@ -310,11 +340,20 @@ def _layout_ledger(names, shape, loss_par: bool = False, mp: bool = False, ac: b
 
 @pytest.mark.parametrize(
     "case",
-    ["hsdp", "fsdp+tp", "fsdp+tp-loss-parallel", "fsdp+tp-bf16-ac", "fsdp-reshard-int"],
+    [
+        "hsdp",
+        "hsdp-all-reduce-at-last-micro-batch",
+        "fsdp+tp",
+        "fsdp+tp-loss-parallel",
+        "fsdp+tp-bf16-ac",
+        "fsdp-reshard-int",
+    ],
 )
 def test_layouts_at_four_ranks(case):
     if case == "fsdp-reshard-int":
         run_on_ranks(4, _fsdp_int_reshard)
+    elif case == "hsdp-all-reduce-at-last-micro-batch":
+        run_on_ranks(4, _hsdp_reduce_scatter_only_micro_batches)
     elif case == "hsdp":
         run_on_ranks(4, _layout_ledger, names=("dp_replicate", "dp_shard"), shape=(2, 2))
     else:

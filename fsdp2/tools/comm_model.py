@@ -29,7 +29,9 @@ PyTorch's FSDP2 behaviour too (its ``_auto_reshard_after_forward``). A group wit
 data-parallel rank and no dtype cast sends nothing; a group without trainable parameters
 is not reduced. Gradient accumulation over ``m`` micro-batches repeats the gathers per
 micro-batch; the reductions run once (``set_requires_gradient_sync(False)`` on all but the
-last micro-batch) or per micro-batch (``sync_every_micro_batch=True``).
+last micro-batch) or per micro-batch (``sync_every_micro_batch=True``); HSDP's all-reduce
+may wait for the last one (``all_reduce_every_micro_batch=False``: the micro-batches before
+it ran with ``set_requires_all_reduce(False)``).
 
 [Note: tensor parallelism per block] ``TransformerTP`` gives the collectives of the
 Megatron-style plan with sequence parallelism (``examples.gpt.tp_plan``, torchtitan's
@@ -121,6 +123,7 @@ class GroupSpec:
         name: for reports (the module path).
         device_type / backend: decide the route, which matters only for the all-gather
             bytes of a group mixing dtypes.
+        offload: CPU offload on an accelerator (a group of one rank then still moves).
 
     Example:
         >>> GroupSpec([ParamSpec((64, 64))], shard_size=8, mesh_dim="dp", name="blocks.0")
@@ -137,6 +140,7 @@ class GroupSpec:
     name: str = ""
     device_type: str = "cpu"
     backend: str = "gloo"
+    offload: bool = False
 
     def compute_dtype(self, p: ParamSpec) -> torch.dtype:
         return self.param_dtype or p.dtype
@@ -157,8 +161,10 @@ class GroupSpec:
     @property
     def trivial(self) -> bool:
         """One data-parallel rank and no cast: the shard is the parameter, nothing moves."""
-        return self.data_parallel_size == 1 and all(
-            self.compute_dtype(p) == p.dtype for p in self.params
+        return (
+            self.data_parallel_size == 1
+            and all(self.compute_dtype(p) == p.dtype for p in self.params)
+            and not self.offload
         )
 
     def gather_row_bytes(self) -> int:
@@ -261,7 +267,11 @@ def summarize(records: Iterable) -> dict[tuple[str, str | int | None], tuple[int
 
 # --------------------------------------------------------------------------- fully_shard
 def fsdp_group_comms(
-    group: GroupSpec, *, micro_batches: int = 1, sync_every_micro_batch: bool = False
+    group: GroupSpec,
+    *,
+    micro_batches: int = 1,
+    sync_every_micro_batch: bool = False,
+    all_reduce_every_micro_batch: bool | None = None,
 ) -> list[ExpectedCollective]:
     """The collectives of one ``fully_shard`` group over one step, in issue order per
     micro-batch ([Note: what fully_shard sends per step]).
@@ -298,14 +308,17 @@ def fsdp_group_comms(
             "backward",
             name,
         )
+    if all_reduce_every_micro_batch is None:
+        all_reduce_every_micro_batch = sync_every_micro_batch
     out: list[ExpectedCollective] = []
     for i in range(micro_batches):
+        last = i == micro_batches - 1
         out.append(gather)
         if regather is not None:
             out.append(regather)
-        if trained and (sync_every_micro_batch or i == micro_batches - 1):
+        if trained and (sync_every_micro_batch or last):
             out.append(reduce)
-            if all_reduce is not None:
+            if all_reduce is not None and (all_reduce_every_micro_batch or last):
                 out.append(all_reduce)
     return out
 
@@ -371,6 +384,7 @@ def groups_of(model: torch.nn.Module) -> list[GroupSpec]:
                 name=paths.get(id(s.modules[0]), type(s.modules[0]).__name__),
                 device_type=g.device.type,
                 backend=_backend_of(mesh),
+                offload=g.offload,
             )
         )
     return out
@@ -394,6 +408,7 @@ def expected_step_comms(
     tp: TransformerTP | None = None,
     micro_batches: int = 1,
     sync_every_micro_batch: bool = False,
+    all_reduce_every_micro_batch: bool | None = None,
     clip_grad_norm: bool = False,
 ) -> CommExpectation:
     """The collectives one training step (forward, backward, optimizer step) is expected
@@ -406,6 +421,9 @@ def expected_step_comms(
         micro_batches: forward/backward passes per optimizer step (gradient accumulation).
         sync_every_micro_batch: reduce gradients after every micro-batch rather than only
             after the last (``set_requires_gradient_sync(False)`` on the others).
+        all_reduce_every_micro_batch: HSDP: all-reduce after every reduction (None: as
+            ``sync_every_micro_batch``); False when the micro-batches before the last ran
+            with ``set_requires_all_reduce(False)``.
         clip_grad_norm: the step calls ``torch.nn.utils.clip_grad_norm_`` on the model's
             parameters (``clip_grad_comms``).
 
@@ -428,7 +446,10 @@ def expected_step_comms(
     records: list[ExpectedCollective] = []
     for g in groups:
         records += fsdp_group_comms(
-            g, micro_batches=micro_batches, sync_every_micro_batch=sync_every_micro_batch
+            g,
+            micro_batches=micro_batches,
+            sync_every_micro_batch=sync_every_micro_batch,
+            all_reduce_every_micro_batch=all_reduce_every_micro_batch,
         )
     if tp is not None:
         records += tp.comms() * micro_batches
