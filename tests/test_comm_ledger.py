@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from device_mesh import init_device_mesh
 from dtensor.debug import CollectiveRecord, CommDebugMode
@@ -391,10 +392,29 @@ def _torch_counts(mode: TorchCommDebugMode) -> dict[str, int]:
     return out
 
 
+class _TorchBytes(TorchDispatchMode):
+    """Bytes each rank contributes to PyTorch's c10d collectives (CommDebugMode's convention:
+    the all-gather, reduce-scatter or all-reduce input), by kind."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kind = _TORCH_KINDS.get(str(func.overloadpacket).split(".")[-1])
+        if kind is not None:
+            inp = args[0] if kind == "all_reduce" else [args[1]]
+            n = sum(t.numel() * t.element_size() for t in inp)
+            self.bytes[kind] = self.bytes.get(kind, 0) + n
+        return func(*args, **(kwargs or {}))
+
+
 def _against_torch(shape, reshard_after_forward) -> None:
+    """Counts equal PyTorch's FSDP2 under its CommDebugMode; bytes too, except our reduction's
+    one "had a gradient" flag per parameter and rank."""
     names = ("replicate", "shard")[-len(shape) :]
     x, y = _batch(0)
-    counts = []
+    counts, nbytes = [], []
     for shard, mesh in (
         (fully_shard, init_device_mesh("cpu", shape, mesh_dim_names=names)),
         (torch_fully_shard, torch_init_device_mesh("cpu", shape, mesh_dim_names=names)),
@@ -406,15 +426,21 @@ def _against_torch(shape, reshard_after_forward) -> None:
         shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
         gpt_loss(model, x, y).backward()  # first step: lazy init
         if shard is fully_shard:
-            expected = expected_step_comms(model).get_comm_counts()
+            expected = expected_step_comms(model)
+            n_flags = sum(len(g.params) for g in groups_of(model))
             with CommDebugMode() as ours:
                 gpt_loss(model, x, y).backward()
             counts.append(ours.get_comm_counts())
+            nbytes.append({k: ours.get_total_bytes(k) for k in counts[-1]})
         else:
-            with TorchCommDebugMode() as theirs:
+            with TorchCommDebugMode() as theirs, _TorchBytes() as sizes:
                 gpt_loss(model, x, y).backward()
             counts.append(_torch_counts(theirs))
-    assert counts[0] == counts[1] == expected, (counts, expected)
+            nbytes.append(sizes.bytes)
+    assert counts[0] == counts[1] == expected.get_comm_counts(), (counts, expected)
+    ws = shape[-1]
+    flags = {"all_gather": 0, "reduce_scatter": ws * n_flags * 4, "all_reduce": n_flags * 4}
+    assert {k: v - flags[k] for k, v in nbytes[0].items()} == nbytes[1], nbytes
 
 
 @pytest.mark.parametrize(
