@@ -224,6 +224,38 @@ def test_fsdp_ledger_matches_comm_debug_mode_and_expectation(
     )
 
 
+class _Lora(torch.nn.Module):
+    """A frozen bf16 base with fp32 adapters: one group gathers two dtypes."""
+
+    def __init__(self, n: int, r: int) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(n, n, bias=False).to(torch.bfloat16).requires_grad_(False)
+        self.a = torch.nn.Linear(n, r, bias=False)
+        self.b = torch.nn.Linear(r, n, bias=False)
+
+    def forward(self, x):
+        return self.base(x.bfloat16()).float() + self.b(self.a(x))
+
+
+def _mixed_dtypes(n: int) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Lora(n, 3), _Lora(n, 3))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    ledger = CommLedger(model)
+
+    def step(i):
+        model(torch.randn(2, n)).sum().backward()
+
+    _check_steps(model, ledger, step)
+
+
+@pytest.mark.parametrize("n", [7, 1025], ids=["staged-aligned-slots", "direct-per-dtype"])
+def test_mixed_dtype_groups_on_both_gloo_routes(n):
+    run_on_ranks(2, _mixed_dtypes, n=n)
+
+
 def _wrong_expectation_flagged() -> None:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     torch.manual_seed(0)

@@ -174,10 +174,13 @@ class GroupSpec:
         dtypes = [self.compute_dtype(p) for p in self.params]
         if len(set(dtypes)) <= 1:
             return sum(numels) * (dtypes[0].itemsize if dtypes else 4)
-        if self._direct(sum(n * d.itemsize for n, d in zip(numels, dtypes)) * ws):
-            return sum(n * d.itemsize for n, d in zip(numels, dtypes))
+        # one row of bytes, each slot aligned (RowLayout); the direct route sends each
+        # parameter in its own dtype, unaligned
         align = max(8, *(d.itemsize for d in dtypes))
-        return sum(_ceil_div(n * d.itemsize, align) * align for n, d in zip(numels, dtypes))
+        aligned = sum(_ceil_div(n * d.itemsize, align) * align for n, d in zip(numels, dtypes))
+        if self._direct(aligned * ws):
+            return sum(n * d.itemsize for n, d in zip(numels, dtypes))
+        return aligned
 
     def _direct(self, unsharded_bytes: int) -> bool:
         return (
