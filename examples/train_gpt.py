@@ -301,7 +301,7 @@ def train(args) -> None:
         text = bytes(sample[0].tolist()).decode("utf-8", errors="replace")
         console.print("sample:", repr(text))
         if ledger is not None and ledger.steps:
-            bad = sum(not e.ok for e in ledger.steps)
+            bad = len(ledger.mismatched_steps)
             console.print(format_ledger(ledger.last), f"\n{bad} step(s) differed", highlight=False)
     dist.barrier()
     dist.destroy_process_group()

@@ -278,7 +278,7 @@ def _wrong_expectation_flagged() -> None:
     finally:
         logger.removeHandler(handler)
     entry = ledger.last
-    assert entry.ok is False
+    assert entry.ok is False and ledger.mismatched_steps == [0]
     (bad,) = entry.mismatches
     assert (bad.kind, bad.mesh_dim, bad.count, bad.expected_count) == ("all_gather", "dp", 5, 3)
     assert [r.levelno for r in seen] == [logging.WARNING]
@@ -399,6 +399,13 @@ def test_layouts_at_four_ranks(case):
             mp="bf16" in case,
             ac="ac" in case.split("-"),
         )
+
+
+def test_hsdp_tp_2x2x2_world_size_8(request):
+    """HSDP + TP (3-D): every row on its own mesh dim. Opt in with ``pytest --world-size-8``."""
+    if not request.config.getoption("--world-size-8"):
+        pytest.skip("8 processes: run with --world-size-8")
+    run_on_ranks(8, _layout_ledger, names=("dp_replicate", "dp_shard", "tp"), shape=(2, 2, 2))
 
 
 # ------------------------------------------------------------------------------ PyTorch's view

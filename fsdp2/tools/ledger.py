@@ -149,7 +149,13 @@ class CommLedger:
 
     @property
     def last(self) -> StepEntry | None:
+        """The latest step's entry (None before the first)."""
         return self.steps[-1] if self.steps else None
+
+    @property
+    def mismatched_steps(self) -> list[int]:
+        """Indices of the steps whose collectives differed from the expectation."""
+        return [e.index for e in self.steps if e.ok is False]
 
     @contextlib.contextmanager
     def step(self):
