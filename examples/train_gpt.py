@@ -21,6 +21,7 @@ terminal rank 0 shows a progress bar; otherwise (a log file, CI) it prints a lin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import resource
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dtensor import checkpoint as dcp  # noqa: E402
 from examples.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
 from fsdp2 import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method  # noqa: E402
+from fsdp2.tools import CommLedger, expected_step_comms, format_ledger  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,6 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--resume", action="store_true", help="continue from the newest checkpoint there"
     )
+    p.add_argument("--profile-comm", action="store_true", help="communication ledger of every step")
     return p.parse_args(argv)
 
 
@@ -240,16 +243,21 @@ def train(args) -> None:
 
     logged: list[tuple[int, float]] = []
     tokens = 0
+    # --profile-comm: each step's collectives beside the expected ones (docs/tools.md)
+    ledger = (
+        CommLedger(expected_step_comms(model, clip_grad_norm=True)) if args.profile_comm else None
+    )
     start = time.perf_counter()
     for step in range(first, args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
         x, y = batch_at(data, args.batch, args.seq, 1000 + rank, step)
-        loss = gpt_loss(model, x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
+        with ledger.step() if ledger else contextlib.nullcontext():
+            loss = gpt_loss(model, x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
         tokens += x.numel() * ws
         logs_now = step % args.log_every == 0 or step == args.steps - 1
         if logs_now:
@@ -292,6 +300,9 @@ def train(args) -> None:
         report(console, logged, everyone, tokens / elapsed, elapsed)
         text = bytes(sample[0].tolist()).decode("utf-8", errors="replace")
         console.print("sample:", repr(text))
+        if ledger is not None and ledger.steps:
+            bad = len(ledger.mismatched_steps)
+            console.print(format_ledger(ledger.last), f"\n{bad} step(s) differed", highlight=False)
     dist.barrier()
     dist.destroy_process_group()
 
