@@ -6,7 +6,8 @@
   size 2 (two micro-batches per rank, accumulated without sync) and at world size 4 (one
   each) gives bit-identical losses and parameters after a few AdamW steps, on a GPT whose
   parameters' dim 0 mostly does not divide by the world size (vocabulary 61, width 18,
-  13 positions). At world size 1 (all four micro-batches in one process) too.
+  13 positions). At world size 1 (all four micro-batches in one process) and under HSDP
+  (2 replicas x 2 shards) too, and with ``dtensor.clip_grad_norm_(deterministic=True)``.
 * The default is unchanged: the same training without the mode still equals one process
   within the parity tests' tolerances.
 
@@ -19,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import dtensor
 from device_mesh import init_device_mesh
 from dtensor.comm import sum_into, tree_sum_into
 from examples.gpt import GPT, GPTConfig, gpt_loss, tp_plan
@@ -62,6 +64,12 @@ def _model(layout: str, deterministic: bool):
         model = GPT(_cfg(fused_qkv=False))
         mesh = init_device_mesh("cpu", (ws // 2, 2), mesh_dim_names=("dp", "tp"))
         parallelize_transformer(model, mesh, tp_plan=tp_plan())
+    elif layout == "hsdp":
+        model = GPT(_cfg())
+        mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     else:
         model = GPT(_cfg())
         mesh = init_device_mesh("cpu", (ws,))
@@ -73,12 +81,15 @@ def _model(layout: str, deterministic: bool):
     return model, mesh
 
 
-def _train(out: str, layout: str = "fsdp", deterministic: bool = False):
+def _train(out: str, layout: str = "fsdp", deterministic: bool = False, clip: bool = False):
     """Train ``STEPS`` global batches; rank 0 saves the losses of every micro-batch (in the
-    global batch's order) and the full parameters to ``out``."""
+    global batch's order) and the full parameters to ``out``. ``clip``: clip the gradients'
+    norm to 0.1 before each step (the norm is about 1: it clips)."""
     model, mesh = _model(layout, deterministic)
-    dp = mesh["dp"] if layout == "2d" else mesh
-    dp_rank, dp_size = dp.get_local_rank(), dp.size()
+    if layout == "2d":
+        dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    else:  # FSDP, or HSDP: data-parallel rank = replica * shards + shard = global rank
+        dp_rank, dp_size = dist.get_rank(), dist.get_world_size()
     per_rank = MICRO // dp_size
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
@@ -90,6 +101,8 @@ def _train(out: str, layout: str = "fsdp", deterministic: bool = False):
             loss = gpt_loss(model, x, y)
             (loss / per_rank).backward()
             local.append(loss.detach())
+        if clip:
+            dtensor.clip_grad_norm_(model.parameters(), 0.1, deterministic=deterministic)
         opt.step()
         opt.zero_grad()
         gathered = [torch.empty(per_rank) for _ in range(dist.get_world_size())]
@@ -164,14 +177,30 @@ def test_two_runs_of_fsdp_with_tensor_parallelism_are_bit_identical(tmp_path):
 
 
 # ------------------------------------------------------------------------------ world size
-@pytest.mark.parametrize("route", ROUTES)
-def test_deterministic_mode_gives_world_size_4_equal_to_2_and_1_bit_for_bit(tmp_path, route):
+@pytest.mark.parametrize("route, clip", [("direct", False), ("staged", True)])
+def test_deterministic_mode_gives_world_size_4_equal_to_2_and_1_bit_for_bit(tmp_path, route, clip):
+    """With ``clip``, ``dtensor.clip_grad_norm_(..., deterministic=True)`` before every step:
+    the norm does not depend on the shard boundaries either."""
     runs = {ws: tmp_path / f"ws{ws}.pt" for ws in (1, 2, 4)}
     for ws, out in runs.items():
-        run_on_ranks(ws, _on_route, route=route, target=_train, out=str(out), deterministic=True)
+        run_on_ranks(
+            ws, _on_route, route=route, target=_train, out=str(out), deterministic=True, clip=clip
+        )
     ws1, ws2, ws4 = (_load(runs[ws]) for ws in (1, 2, 4))
     _assert_bitwise_equal(ws2, ws4)
     _assert_bitwise_equal(ws1, ws2)
+    if not clip:  # HSDP (2 replicas x 2 shards): the replicas' sums are the tree's top level
+        hsdp = tmp_path / "hsdp.pt"
+        run_on_ranks(
+            4,
+            _on_route,
+            route=route,
+            target=_train,
+            out=str(hsdp),
+            layout="hsdp",
+            deterministic=True,
+        )
+        _assert_bitwise_equal(ws2, _load(hsdp))
 
 
 # ------------------------------------------------------------------------------ the tree
