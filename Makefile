@@ -34,6 +34,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/ckpt_bench.py
 	$(PY) benchmarks/compile_bench.py
 	$(PY) benchmarks/dispatch_bench.py
+	$(PY) benchmarks/determinism_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
