@@ -262,3 +262,30 @@ def test_micro_batch_leaves_sum_as_the_tree():
         expected = _reference_tree([torch.zeros(64) if i == 1 else p for i, p in enumerate(parts)])
         assert torch.equal(total, expected), n
         assert holder.grad_leaves == []
+
+
+# ------------------------------------------------------------------------------ the switch
+def _same_collectives_and_checked_switch():
+    from dtensor.debug import CommDebugMode
+
+    model, _ = _model("fsdp", deterministic=False, bias=True)
+    x, y = _batches(1)[0][0]
+    seen = {}
+    for mode in (False, True, False):
+        model.set_deterministic_reduction(mode)
+        with CommDebugMode() as comm:
+            gpt_loss(model, x, y).backward()
+        model.zero_grad()
+        seen[mode] = [(r.kind, r.group_size, r.bytes) for r in comm.records]
+    assert seen[True] == seen[False], "the mode must move the same collectives and bytes"
+    assert seen[True], "nothing was recorded"
+    model.set_requires_gradient_sync(False)
+    gpt_loss(model, x, y).backward()  # unreduced gradients now wait
+    with pytest.raises(RuntimeError, match="between steps"):
+        model.set_deterministic_reduction(True)
+    with pytest.raises(TypeError):
+        model.set_deterministic_reduction("yes")
+
+
+def test_mode_moves_the_same_collectives_and_switches_only_between_steps():
+    run_on_ranks(2, _same_collectives_and_checked_switch)
