@@ -35,6 +35,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/compile_bench.py
 	$(PY) benchmarks/dispatch_bench.py
 	$(PY) benchmarks/flight_bench.py
+	$(PY) benchmarks/determinism_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -6,7 +6,8 @@ this module holds them, under public names:
 
 * ``Pending``: a result that may still be on the wire;
 * the padded row collectives ``all_gather_rows`` and ``reduce_rows`` ([Note: row collectives
-  on gloo]) and the local reductions behind them (``sum_into``, ``combine_rows``);
+  on gloo]) and the local reductions behind them (``sum_into``, ``tree_sum_into``,
+  ``combine_rows``);
 * ``exchange``: one point-to-point message per peer and per item, the transport of the block
   routes on gloo, with its tags from ``message_tags`` ([Note: message tags]);
 * ``reduction_of``: how a ``Partial`` placement is reduced (the wire op, the divisor, the
@@ -252,9 +253,55 @@ def sum_into(out: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def combine_rows(recv: torch.Tensor, divide_by: float = 1.0, op: str = "sum") -> torch.Tensor:
+def tree_sum_into(
+    out: torch.Tensor, parts: list[torch.Tensor], *, scratch: list[bool] | None = None
+) -> torch.Tensor:
+    """``out`` = the sum of ``parts`` added pairwise, level by level: neighbours ``(0, 1)``,
+    ``(2, 3)``, ... first, then neighbouring pair sums, an odd last one moving up unchanged.
+
+    [Note: one summation tree] The grouping depends only on ``len(parts)``, and it nests:
+    summing aligned runs of ``2**j`` parts first and then their sums gives the same tree as
+    summing all parts at once. So ``k`` ranks holding ``2**j`` consecutive parts each and a
+    rank holding all of them add identical numbers in identical order (addition commutes
+    bitwise in IEEE arithmetic, so only the grouping matters). Parts whose ``scratch`` flag
+    is set may be overwritten; the others are only read. It does as many additions as a
+    sequential sum.
+
+    Example::
+
+        >>> sum_into(torch.empty(1), [torch.tensor([1e8]), torch.tensor([1.0]),
+        ...                           torch.tensor([-1e8]), torch.tensor([1.0])])
+        tensor([1.])
+        >>> tree_sum_into(torch.empty(1), [torch.tensor([1e8]), torch.tensor([1.0]),
+        ...                                torch.tensor([-1e8]), torch.tensor([1.0])])
+        tensor([0.])
+    """
+    level = list(parts)
+    writable = list(scratch) if scratch is not None else [False] * len(level)
+    while len(level) > 1:
+        pairs, owned = [], []
+        for a, b, a_ok, b_ok in zip(level[::2], level[1::2], writable[::2], writable[1::2]):
+            if a_ok:
+                pairs.append(a.add_(b))
+            elif b_ok:
+                pairs.append(torch.add(a, b, out=b))
+            else:
+                pairs.append(a + b)
+            owned.append(True)
+        if len(level) % 2:
+            pairs.append(level[-1])
+            owned.append(writable[-1])
+        level, writable = pairs, owned
+    return out.copy_(level[0])
+
+
+def combine_rows(
+    recv: torch.Tensor, divide_by: float = 1.0, op: str = "sum", *, tree: bool = False
+) -> torch.Tensor:
     """Reduce the rows of ``recv`` (``(k, N)``) in rank order: a sum divided by
     ``divide_by`` (one pass when that is ``k``: ``mean``), or the elementwise max / min.
+    With ``tree`` the sum adds the rows pairwise (``tree_sum_into``; it overwrites
+    ``recv``) and then divides.
 
     Example::
 
@@ -265,9 +312,12 @@ def combine_rows(recv: torch.Tensor, divide_by: float = 1.0, op: str = "sum") ->
         return recv.amax(0)
     if op == "min":
         return recv.amin(0)
-    if divide_by == recv.size(0) and recv.size(0) > 1:
+    if tree:
+        total = tree_sum_into(torch.empty_like(recv[0]), list(recv), scratch=[True] * len(recv))
+    elif divide_by == recv.size(0) and recv.size(0) > 1:
         return recv.mean(0)
-    total = sum_into(torch.empty_like(recv[0]), list(recv))
+    else:
+        total = sum_into(torch.empty_like(recv[0]), list(recv))
     if divide_by != 1:
         total.div_(divide_by)
     return total
@@ -283,10 +333,16 @@ def reduce_rows(
     label=None,
     mesh=None,
     pool=None,
+    tree: bool = False,
 ) -> Pending:
     """Reduce ``rows`` (``(group_size, N)``, row ``r`` destined for rank ``r``) over the
     group: this rank gets its row summed (``op="sum"``, then divided by ``divide_by``) or
     its elementwise ``"max"`` / ``"min"``.
+
+    With ``tree`` the sum is ``tree_sum_into``'s pairwise tree in rank order on every
+    backend (an all-to-all and a local sum, also where a reduce-scatter would otherwise
+    run: its order is the backend's), so the result does not depend on how the backend
+    sums. The receive buffer is then as large as ``rows``.
 
     The result is a fresh ``(N,)`` tensor that owns its memory. On gloo this is an
     all-to-all followed by a local reduction in rank order ([Note: row collectives on
@@ -302,12 +358,12 @@ def reduce_rows(
     debug.record("reduce_scatter", mesh_dim_label(mesh, label), k, nbytes, group=group)
     if k == 1:
         return Pending(None, lambda: combine_rows(rows, divide_by, op))
-    if reduces_rows_by_all_to_all(group, op):
+    if tree or reduces_rows_by_all_to_all(group, op):
         recv = _get(pool, tuple(rows.shape), rows.dtype, rows.device)
         work = dist.all_to_all_single(recv, rows, group=group, async_op=True)
 
         def finish():
-            total = combine_rows(recv, divide_by, op)
+            total = combine_rows(recv, divide_by, op, tree=tree)
             if pool is not None:
                 pool.put(rows)
                 pool.put(recv)

@@ -42,6 +42,7 @@ from dtensor.comm import (
     message_tags,
     reduce_rows,
     sum_into,
+    tree_sum_into,
 )
 from fsdp2 import _host_memory
 from fsdp2._param import internal
@@ -310,16 +311,25 @@ class Reduction:
 
 
 def foreach_reduce(
-    params, grads: list, *, dtype: torch.dtype, device, comm, pool, divide_by: float
+    params,
+    grads: list,
+    *,
+    dtype: torch.dtype,
+    device,
+    comm,
+    pool,
+    divide_by: float,
+    tree: bool = False,
 ) -> Reduction:
     """Start one reduction of ``grads`` (one per parameter, ``None`` where this rank has
     none) in ``dtype`` over the shard group, summed in rank order and divided by
-    ``divide_by``. Every rank must call it for the same parameters in the same order."""
+    ``divide_by``; with ``tree`` summed pairwise in rank order (``tree_sum_into``) on every
+    backend. Every rank must call it for the same parameters in the same order."""
     info = params[0].mesh_info
     group = info.shard_group
     n = sum(p.padded_numel for p in params)
     if exchanges_blocks(group, device, n * info.shard_size * dtype.itemsize, len(params)):
-        return Reduction(_reduce_direct(params, grads, dtype, info, pool, divide_by))
+        return Reduction(_reduce_direct(params, grads, dtype, info, pool, divide_by, tree))
     with comm.streams.reduce():
         rows = _gradient_rows(params, grads, dtype, device, pool)
         # The side stream may still read the gradients, so they are kept until the compute
@@ -334,11 +344,12 @@ def foreach_reduce(
             label=info.shard_mesh_dim,
             mesh=info.mesh,
             pool=pool,
+            tree=tree,
         )
     return Reduction(pending, keep)
 
 
-def _reduce_direct(params, grads, dtype, info, pool, divide_by) -> Pending:
+def _reduce_direct(params, grads, dtype, info, pool, divide_by, tree) -> Pending:
     pieces, slot = [], 0
     for p, g in zip(params, grads, strict=True):
         pieces.append((p.grad_run(g, dtype), p.padded_numel, p.rank_numels(), slot))
@@ -354,6 +365,7 @@ def _reduce_direct(params, grads, dtype, info, pool, divide_by) -> Pending:
         label=info.shard_mesh_dim,
         mesh=info.mesh,
         pool=pool,
+        tree=tree,
     )
 
 
@@ -447,6 +459,7 @@ def reduce_blocks(
     label=None,
     mesh=None,
     pool=None,
+    tree: bool = False,
 ) -> Pending:
     """Gradient reduction by point-to-point messages, the counterpart of ``gather_blocks``:
     rank ``j``'s block of every gradient goes straight from the gradient to rank ``j``.
@@ -456,8 +469,8 @@ def reduce_blocks(
     ``j * padded`` and has ``counts[j]`` elements) and where this parameter's block sits in
     the reduced row. ``flags`` (one per parameter, 1.0 where this rank has a gradient) ride
     along at the row's end. The result is this rank's row of ``width`` elements, summed in
-    rank order and divided by ``divide_by``; its padding is zero. Only the blocks other
-    ranks send are staged (one row per peer).
+    rank order (pairwise with ``tree``: ``tree_sum_into``) and divided by ``divide_by``;
+    its padding is zero. Only the blocks other ranks send are staged (one row per peer).
     """
     size = group.size()
     nbytes = size * width * flags.itemsize
@@ -470,7 +483,7 @@ def reduce_blocks(
     works = exchange(group, rank, _reduce_messages(pieces, flags, recv, rank), _REDUCE_TAGS)
 
     def finish() -> torch.Tensor:
-        total = _sum_in_rank_order(pieces, flags, recv, rank)
+        total = _sum_in_rank_order(pieces, flags, recv, rank, tree)
         if pool is not None:
             pool.put(recv)
         return total.div_(divide_by) if divide_by != 1 else total
@@ -499,12 +512,20 @@ def _reduce_messages(pieces, flags: torch.Tensor, recv: torch.Tensor, rank: int)
     return messages
 
 
-def _sum_in_rank_order(pieces, flags: torch.Tensor, recv: torch.Tensor, rank: int):
+def _sum_in_rank_order(pieces, flags: torch.Tensor, recv: torch.Tensor, rank: int, tree=False):
     """This rank's reduced row: its own blocks and flags added to the received ones in rank
-    order, the padding after each parameter's block zeroed (not yet divided)."""
+    order (pairwise with ``tree``, overwriting ``recv``), the padding after each parameter's
+    block zeroed (not yet divided)."""
+    scratch = [True] * rank + [False] + [True] * (recv.size(0) - rank)
 
     def in_rank_order(own: torch.Tensor, received: torch.Tensor) -> list[torch.Tensor]:
         return [*received[:rank], own, *received[rank:]]
+
+    def sum_parts(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        if tree:
+            tree_sum_into(out, parts, scratch=scratch)
+        else:
+            sum_into(out, parts)
 
     width = recv.size(1)
     n_values = width - flags.numel()
@@ -512,21 +533,24 @@ def _sum_in_rank_order(pieces, flags: torch.Tensor, recv: torch.Tensor, rank: in
     for grad, padded, counts, slot in pieces:
         n = counts[rank]
         own = grad[rank * padded : rank * padded + n]
-        sum_into(total[slot : slot + n], in_rank_order(own, recv[:, slot : slot + n]))
+        sum_parts(total[slot : slot + n], in_rank_order(own, recv[:, slot : slot + n]))
         if n < padded:
             total[slot + n : slot + padded].zero_()
-    sum_into(total[n_values:], in_rank_order(flags, recv[:, n_values:]))
+    sum_parts(total[n_values:], in_rank_order(flags, recv[:, n_values:]))
     return total
 
 
-def all_reduce_sum(t: torch.Tensor, group, *, label=None, mesh=None) -> None:
-    """In-place synchronous sum over ``group`` (HSDP: across replicas)."""
-    debug.record(
-        "all_reduce",
-        mesh_dim_label(mesh, label),
-        dist.get_world_size(group),
-        t.numel() * t.element_size(),
-        group=group,
-    )
+def all_reduce_sum(t: torch.Tensor, group, *, label=None, mesh=None, tree=False) -> None:
+    """In-place synchronous sum over ``group`` (HSDP: across replicas). With ``tree`` the
+    ranks' tensors are all-gathered and summed pairwise in rank order (``tree_sum_into``)
+    instead of in the backend's order: it holds ``group`` size copies of ``t`` meanwhile."""
+    size = dist.get_world_size(group)
+    nbytes = t.numel() * t.element_size()
+    debug.record("all_reduce", mesh_dim_label(mesh, label), size, nbytes, group=group)
     with debug.annotate_failures():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        if not tree:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+            return
+        parts = [torch.empty_like(t) for _ in range(size)]
+        dist.all_gather(parts, t, group=group)
+    tree_sum_into(t, parts, scratch=[True] * size)

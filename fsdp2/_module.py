@@ -235,6 +235,38 @@ class FSDPModule:
         for g in self._groups(True):
             g.force_sum_reduction_for_comms = flag
 
+    def set_deterministic_reduction(self, enabled: bool = True, *, recurse=True) -> None:
+        """Sum gradients in one fixed order, whatever the world size (off by default).
+
+        Every gradient is summed along one pairwise tree over the global batch's
+        micro-batches in rank order: a rank's micro-batches accumulated without sync form
+        its lower levels, the ranks' sums (moved to each shard's owner by an all-to-all,
+        on every backend) its upper ones, HSDP's replicas its top. So, for a global batch
+        of equal micro-batches split into consecutive runs of a power-of-two length per
+        rank, world sizes ``W`` and ``2W`` (and one process) give bit-identical gradients
+        and, with an elementwise optimizer, parameters - where the model's own kernels
+        allow (docs/fsdp2.md, "Determinism"). PyTorch's FSDP2 has no such switch.
+
+        Costs: the same bytes on the wire; off gloo an all-to-all replaces the
+        reduce-scatter and needs a receive buffer as large as its input; accumulating ``m``
+        micro-batches keeps up to ``log2(m)`` unsharded gradients instead of one.
+
+        Raises:
+            RuntimeError: gradients accumulated without sync wait for their reduction.
+
+        Example:
+            >>> model.set_deterministic_reduction(True)   # world size 4 == world size 2
+        """
+        flag = _check_bool(enabled, "enabled")
+        groups = self._groups(recurse)
+        if any(p.has_unreduced_grads() for g in groups for p in g.params):
+            raise RuntimeError(
+                "set_deterministic_reduction: gradients accumulated without sync wait for "
+                "their reduction; switch between steps (after a backward with sync)."
+            )
+        for g in groups:
+            g.deterministic = flag
+
     def set_all_reduce_hook(self, hook, *, stream=None) -> None:
         """Call ``hook(reduced)`` on every reduction of this module's group.
 

@@ -206,6 +206,9 @@ class FSDPParam:
         self._unsharded_key = None
         # no-sync accumulation in the reduce dtype, when it differs from the compute dtype
         self.accumulated_grad: torch.Tensor | None = None
+        # deterministic reduction: one gradient per micro-batch, summed as a binary counter
+        # (count, gradient or None) - [Note: one summation tree] in dtensor/comm.py
+        self.grad_leaves: list[tuple[int, torch.Tensor | None]] = []
         self.fqn = locations[0][1]
         self.group = None  # the FSDPParamGroup that gathers it (set by the group)
 
@@ -465,12 +468,53 @@ class FSDPParam:
             acc += grad
         return acc
 
+    def push_grad_leaf(self, dtype: torch.dtype) -> None:
+        """Deterministic reduction, no-sync backward: take this micro-batch's unsharded
+        gradient (in ``dtype``) as the next leaf of the summation tree.
+
+        The leaves are kept as a binary counter: two neighbouring sums of equally many
+        leaves are added at once, so ``2**j`` micro-batches are summed as a balanced tree
+        (((g0 + g1) + (g2 + g3)) for four) while holding at most ``log2(count) + 1``
+        gradients. A micro-batch without a gradient is a leaf too (``None``), so the
+        grouping of the others does not shift.
+        """
+        grad = None
+        if self.unsharded_param is not None:
+            with internal():
+                grad = self.unsharded_param.grad
+                self.unsharded_param.grad = None
+        if grad is not None:
+            grad = self._tp_local_grad(grad).to(dtype)
+        leaves = self.grad_leaves
+        leaves.append((1, grad))
+        while len(leaves) > 1 and leaves[-1][0] == leaves[-2][0]:
+            (n, b), (_, a) = leaves.pop(), leaves.pop()
+            leaves.append((2 * n, _add_leaves(a, b)))
+
+    def take_tree_grad(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """Deterministic reduction, backward with sync: this micro-batch's gradient as the
+        last leaf, then the leaves summed from the right (the remaining counter entries hold
+        decreasing powers of two, so this is ``tree_sum_into``'s grouping of the leaves)."""
+        self.push_grad_leaf(dtype)
+        leaves, self.grad_leaves = self.grad_leaves, []
+        total = leaves.pop()[1]
+        while leaves:
+            total = _add_leaves(leaves.pop()[1], total)
+        return total
+
+    def has_unreduced_grads(self) -> bool:
+        """Whether gradients wait for a reduction (accumulated without sync)."""
+        with internal():
+            pending = self.unsharded_param is not None and self.unsharded_param.grad is not None
+        return pending or self.accumulated_grad is not None or bool(self.grad_leaves)
+
     def drop_unsharded_grads(self) -> None:
         """Forget unreduced gradients (recovery after an exception)."""
         if self.unsharded_param is not None:
             with internal():
                 self.unsharded_param.grad = None
         self.accumulated_grad = None
+        self.grad_leaves = []
 
     def shard_grad_from_row(self, row: torch.Tensor) -> torch.Tensor:
         """This rank's gradient shard from its ``padded_numel`` slot of a reduced row."""
@@ -488,3 +532,13 @@ class FSDPParam:
             self.sharded_param.grad = from_spec(local_grad, spec)
         else:
             local_of(existing).add_(local_grad)
+
+
+def _add_leaves(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """The sum of two summation-tree nodes, ``None`` meaning "no gradient"; ``a`` (a
+    gradient this parameter took and owns) is overwritten."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a.add_(b)

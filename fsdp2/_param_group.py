@@ -131,6 +131,7 @@ class FSDPParamGroup:
         self.unshard_in_backward = True
         self.all_reduce_hook = None
         self.force_sum_reduction_for_comms = False  # reductions are always sums here
+        self.deterministic = False  # set_deterministic_reduction: one summation tree
         # runtime
         self.state = ShardedState.SHARDED
         self._gather: C.AllGather | None = None
@@ -319,14 +320,20 @@ class FSDPParamGroup:
         with_grad = [p for p in self.params if p.requires_grad]
         if not self.requires_gradient_sync or not with_grad:
             # no-sync: gradients stay unsharded and keep accumulating (in the reduce dtype
-            # when it differs, so micro-batches add in that precision)
+            # when it differs, so micro-batches add in that precision); in deterministic
+            # mode each micro-batch's gradient is a leaf of the summation tree
             for p in with_grad:
-                if self._accumulates_in_reduce_dtype(p):
+                if self.deterministic:
+                    p.push_grad_leaf(self.reduce_dtype)
+                elif self._accumulates_in_reduce_dtype(p):
                     p.accumulate_unsharded_grad(self.reduce_dtype)
             if self.reshard_after_backward:
                 self.reshard()
             return None
-        grads = [p.take_unsharded_grad() for p in with_grad]
+        if self.deterministic:
+            grads = [p.take_tree_grad(self.reduce_dtype) for p in with_grad]
+        else:
+            grads = [p.take_unsharded_grad() for p in with_grad]
         if self.reshard_after_backward:
             self.reshard()
         if self.trivial and self.all_reduce_hook is None:
@@ -343,6 +350,7 @@ class FSDPParamGroup:
                 comm=self.comm,
                 pool=self.pool,
                 divide_by=self._divide_factor() if divided else 1.0,
+                tree=self.deterministic,
             )
         local_flags = [g is not None for g in grads]
         return PendingReduce(self, reduction, with_grad, local_flags, divided)
@@ -365,7 +373,11 @@ class FSDPParamGroup:
                 return
             with debug.collective_scope(self.scope):
                 C.all_reduce_sum(
-                    row, info.replicate_group, label=info.replicate_mesh_dim, mesh=info.mesh
+                    row,
+                    info.replicate_group,
+                    label=info.replicate_mesh_dim,
+                    mesh=info.mesh,
+                    tree=self.deterministic,
                 )
         n = row.numel() - len(params)
         values, flags = row[:n], row[n:]
