@@ -81,7 +81,9 @@ def run_elastic_job(
     seen: set[int] = set()
     try:
         for i in range(4):
-            conf = f"is_host={int(i == 0)},last_call_timeout=3,keep_alive_interval=1"
+            conf = (
+                f"is_host={int(i == 0)},last_call_timeout=3,keep_alive_interval=1,read_timeout=300"
+            )
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=3:4"]
             cmd += ["--nproc-per-node=1", "--max-restarts=2", "--monitor-interval=0.1"]
             cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
@@ -161,11 +163,14 @@ def _reference(directory: str, steps: int) -> None:
     train_gpt.train(train_gpt.parse_args(argv))
 
 
-@pytest.mark.timeout(600)  # about 40 s alone; 11 torch imports on a loaded machine take long
-def test_killed_node_resumes_at_world_size_3_as_a_run_from_the_checkpoint(tmp_path):
-    steps, every = 20, 4
-    lines, codes, pids = run_elastic_job(tmp_path, steps=steps, every=every)
-    assert codes == [0, 0, 0], _tails(tmp_path)
+def elastic_and_reference(directory: Path, steps: int = 20, every: int = 4):
+    """The elastic job, checked, and the reference run from the checkpoint it resumed.
+
+    Returns (every logged line, the ws 4 run that was killed, the ws 3 run that resumed, the
+    reference run's lines).
+    """
+    lines, codes, pids = run_elastic_job(directory, steps=steps, every=every)
+    assert codes == [0, 0, 0], _tails(directory)
     assert not [p for p in pids if _alive(p)]
     # [ws 3 from step 0 when the first round closed before the 4th agent came, then] ws 4
     # from the start or a checkpoint, killed; ws 3 from the newest checkpoint to the end
@@ -175,22 +180,46 @@ def test_killed_node_resumes_at_world_size_3_as_a_run_from_the_checkpoint(tmp_pa
     assert resumed_at % every == 0 and every <= resumed_at <= before[-1]["step"] + 1, lines
     assert after[-1]["step"] == steps - 1, lines
 
-    ref = tmp_path / "reference"
+    ref = directory / "reference"
     name = f"step-{resumed_at:06d}"
-    shutil.copytree(tmp_path / "ckpt" / name, ref / name)
+    shutil.copytree(directory / "ckpt" / name, ref / name)
     run_on_ranks(3, _reference, timeout_s=300, directory=str(ref), steps=steps)
     reference = [json.loads(s) for s in (ref / "loss.jsonl").read_text().splitlines()]
+    return lines, before, after, reference
+
+
+@pytest.mark.timeout(600)  # about 40 s alone; 11 torch imports on a loaded machine take long
+def test_killed_node_resumes_at_world_size_3_as_a_run_from_the_checkpoint(tmp_path):
+    lines, before, after, reference = elastic_and_reference(tmp_path)
     assert [(x["step"], x["loss"]) for x in after] == [(x["step"], x["loss"]) for x in reference]
     # the curve goes on: the first resumed loss is near the losses the original run logged
     # around that step (other samples, so not equal), below the untrained start (ln 256)
+    resumed_at = after[0]["step"]
     near = [x["loss"] for x in before if abs(x["step"] - resumed_at) <= 2]
     assert abs(after[0]["loss"] - sum(near) / len(near)) < 0.2, (after[0], near)
     assert after[0]["loss"] < lines[0]["loss"], (after[0], lines[0])
 
 
-if __name__ == "__main__":  # a table of the losses: python -m tests.test_elastic DIR
+if __name__ == "__main__":  # the loss table: python -m tests.test_elastic [DIR]
     import tempfile
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from tests import harness
 
     d = Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp())
     d.mkdir(parents=True, exist_ok=True)
-    print(run_elastic_job(d, steps=40, every=4))
+    try:
+        lines, before, after, reference = elastic_and_reference(d)
+    finally:
+        harness.shutdown_all()
+    table = Table(title="elastic resume: losses by step")
+    for col in ("step", "ws 4 (killed)", "ws 3 (resumed)", "ws 3 reference", "equal"):
+        table.add_column(col, justify="right")
+    by = [{x["step"]: x["loss"] for x in run} for run in (before, after, reference)]
+    for step in sorted(set().union(*by)):
+        a, b, c = (f"{m[step]:.6f}" if step in m else "" for m in by)
+        same = "yes" if step in by[1] and by[1][step] == by[2].get(step) else ""
+        table.add_row(str(step), a, b, c, same)
+    Console().print(table)
