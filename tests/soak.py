@@ -19,11 +19,11 @@ every 20) with the same checks. Each rank measures itself, after ``gc.collect()`
   fsdp2's buffer pools and page banks (``fsdp2/_comm_context.py``) and the mapped host
   regions alive (``fsdp2/_host_memory.py``).
 
-A run saves a checkpoint at step 0 and measures itself once before training (``--cold``
-skips both): one-time caches then fill before step 10 - the ABCs' ``isinstance`` caches the
-first save fills (135 objects: weak references and their callbacks), the first
-``dist.barrier``'s objects, the first save's heap high-water mark - and step 10 compares
-with step 1,000 on what repeats.
+A run saves a checkpoint after step 1 (with the optimizer's state) and measures itself once
+there (``--cold`` skips both): one-time caches then fill before step 10 - the ABCs'
+``isinstance`` caches the first save fills (135 objects: weak references and their
+callbacks), the first ``dist.barrier``'s objects, the first save's heap high-water mark -
+and step 10 compares with step 1,000 on what repeats.
 
     python -m tests.soak                      # both layouts, 1,000 steps
     python -m tests.soak --steps 200 --every 50 --layouts fsdp
@@ -201,13 +201,10 @@ def soak_rank(
             "step": done,
         }
         dcp.save(state, checkpoint_id=root / f"step-{done:06d}")
-        if rank == 0 and done >= 2 * every:  # keep the newest two
-            shutil.rmtree(root / f"step-{done - 2 * every:06d}", ignore_errors=True)
+        if rank == 0:  # keep the newest two
+            for old in sorted(root.glob("step-*"))[:-2]:
+                shutil.rmtree(old, ignore_errors=True)
 
-    if warm:  # one-time caches fill before the first measurement (module docstring)
-        save(0)
-        snapshot()
-        dist.barrier()
     for step in range(steps):
         first = (step * dp_size + dp_rank) * batch
         x, y = samples_at(data, seq, 7, first, batch)
@@ -219,6 +216,10 @@ def soak_rank(
         done = step + 1
         if done % every == 0:
             save(done)
+        elif warm and done == 1:  # one-time caches fill before the first measurement
+            save(done)  # (module docstring): after a step, so with the optimizer's state
+            snapshot()
+            dist.barrier()
         if done in (early, steps, *also):
             losses[done] = loss.detach().item()
             del loss, x, y
