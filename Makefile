@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 NPROC ?= 2
 TRAIN_SCRIPT ?= $(if $(wildcard examples/train_gpt.py),examples/train_gpt.py,examples/mesh_demo.py)
 
-.PHONY: test train train-2d lint bench clean
+.PHONY: test train train-2d lint bench soak clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,9 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/dispatch_bench.py
 	$(PY) benchmarks/flight_bench.py
 	$(PY) benchmarks/determinism_bench.py
+
+soak: $(VENV)/.installed  # 1,000 steps at FSDP 2 and FSDP x TP 2 x 2: nothing may grow
+	$(PY) -m tests.soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

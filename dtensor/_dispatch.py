@@ -25,7 +25,13 @@ from dtensor import (
     _inplace,
     _ops,  # noqa: F401  (registers the rules)
 )
-from dtensor._ops._common import OpSchema, OutputSharding, find_rule, is_multi_tensor
+from dtensor._ops._common import (
+    VALUE_FREE_RULES,
+    OpSchema,
+    OutputSharding,
+    find_rule,
+    is_multi_tensor,
+)
 from dtensor._spec import DTensorSpec, TensorMeta
 from dtensor.placement import Replicate, _StridedShard, format_placements
 from dtensor.tensor import (
@@ -412,18 +418,24 @@ def _unstride_unless_kept(func, leaves: list, treespec) -> list:
     return out
 
 
-def _hashable(x):
+_NUMBERS = (int, float)
+
+
+def _hashable(x, value_free: bool = False):
     if isinstance(x, DTensor):
         return x._spec
     if isinstance(x, torch.Tensor):
         return ("T", tuple(x.shape), x.dtype, x.device.type)
     if isinstance(x, (list, tuple)):
-        return tuple(_hashable(v) for v in x)
+        return tuple(_hashable(v, value_free) for v in x)
+    if value_free and type(x) in _NUMBERS:
+        return (type(x),)
     return (type(x), x)  # 2 == 2.0 == True as keys, but x * 2.0 of an int tensor is float
 
 
 def _cache_key(func, leaves, treespec):
-    key = (func, treespec, tuple(_hashable(x) for x in leaves))
+    facts = _FACTS.get(id(func)) or _op_facts(func)
+    key = (func, treespec, tuple(_hashable(x, facts.value_free) for x in leaves))
     try:
         hash(key)
     except TypeError:
@@ -468,11 +480,13 @@ _FACTS: dict = {}  # id(op) -> _OpFacts (the entry keeps the op alive, so the id
 class _OpFacts:
     """What dispatch needs about one op, looked up once."""
 
-    __slots__ = ("func", "custom", "fast")
+    __slots__ = ("func", "custom", "fast", "value_free")
 
     def __init__(self, func):
         self.func = func
         self.custom = CUSTOM.get(func)
+        # keys hold an int's or a float's type, not its value (VALUE_FREE_RULES)
+        self.value_free = find_rule(func) in VALUE_FREE_RULES
         try:
             shape_in_place = _inplace.out_of_place_view(func) is not None
         except NotImplementedError:
@@ -499,8 +513,11 @@ class _Hit:
 def _fast_key(func, args, kwargs):
     """The call signature of ``func(*args, **kwargs)``: op, the first DTensor's mesh object,
     DTensor specs, non-tensor values and their types (``x * 2`` and ``x * 2.0`` differ in
-    dtype); None when the call has plain tensors, or tensors or containers inside a
-    container. Every id in it belongs to an object the entry keeps alive."""
+    dtype; an op whose rule is value-free keeps a number's type alone); None when the call
+    has plain tensors, or tensors or containers inside a container. Every id in it belongs
+    to an object the entry keeps alive."""
+    facts = _FACTS.get(id(func))
+    free = facts is not None and facts.value_free
     parts = []
     mesh = None
     for a in args:
@@ -517,9 +534,12 @@ def _fast_key(func, args, kwargs):
             for v in a:
                 if isinstance(v, (torch.Tensor, list, tuple, dict)):
                     return None
-            parts.append((type(a), tuple(a), tuple(map(type, a))))
+            values = tuple(None if free and type(v) in _NUMBERS else v for v in a)
+            parts.append((type(a), values, tuple(map(type, a))))
         elif isinstance(a, dict):
             return None
+        elif free and type(a) in _NUMBERS:
+            parts.append((None, type(a)))
         else:
             parts.append((a, type(a)))
     if not kwargs:
@@ -528,7 +548,7 @@ def _fast_key(func, args, kwargs):
     for k, v in kwargs.items():
         if isinstance(v, (torch.Tensor, list, tuple, dict)):
             return None
-        named.append((k, v, type(v)))
+        named.append((k, None if free and type(v) in _NUMBERS else v, type(v)))
     return (id(func), mesh, tuple(parts), tuple(named))
 
 

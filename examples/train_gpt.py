@@ -6,12 +6,25 @@ as bytes, so the vocabulary is 256. ``--data PATH`` trains on any text file or f
     make train                                   # torchrun, 2 CPU processes, gloo
     python examples/train_gpt.py --nproc 4 --steps 100 --dim 256
     python examples/train_gpt.py --checkpoint-dir ckpt --checkpoint-every 100
-    python examples/train_gpt.py --checkpoint-dir ckpt --resume --steps 1000
+    python examples/train_gpt.py --checkpoint-dir ckpt --steps 1000   # goes on from ckpt
     python examples/train_gpt.py --compile                # every block torch.compile'd
 
-Checkpoints (``dtensor.checkpoint``) go to ``step-NNNNNN`` folders; ``--resume`` continues
-from the newest one exactly: the batches are a function of (rank, step), so the resumed run
-sees the same data the uninterrupted run would have.
+Checkpoints (``dtensor.checkpoint``) go to ``step-NNNNNN`` folders. On start the script
+continues from the newest committed one there, at any world size (the checkpoint reshards on
+load): step, model, optimizer and data position. The data is one stream of samples, sample
+``i`` a function of ``i`` alone; a step at world size ``W`` takes the next ``W x --batch`` of
+them, rank ``r`` the ``r``-th ``--batch``, and the checkpoint records how many were taken. So
+a run is a function of (checkpoint, world size): resumed at the same world size it is
+bit-identical to the run that went on, and at another it continues the same stream.
+
+Elastic, under torchrun's own agents (one per node, here all on one machine): a node that
+dies takes its rank with it, the other agents restart their workers at the smaller world
+size, and those continue from the newest checkpoint (README, "Elastic training under
+torchrun", says why the variable)::
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=3:4 --nproc-per-node=1 \
+        --max-restarts=3 --rdzv-backend=c10d --rdzv-endpoint=localhost:29400 --rdzv-id=gpt \
+        examples/train_gpt.py --checkpoint-dir ckpt --checkpoint-every 50
 
 Run without torchrun, the script starts torchrun itself with ``--nproc`` processes. On a
 terminal rank 0 shows a progress bar; otherwise (a log file, CI) it prints a line every
@@ -22,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import resource
@@ -71,7 +85,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)"
     )
     p.add_argument(
-        "--resume", action="store_true", help="continue from the newest checkpoint there"
+        "--resume",
+        action="store_true",
+        help="fail unless --checkpoint-dir holds a checkpoint (one there is always resumed)",
+    )
+    p.add_argument(
+        "--loss-log",
+        type=Path,
+        default=None,
+        help="rank 0 appends a JSON line per logged step: step, loss, world size, and its "
+        "agent's TORCHELASTIC_RESTART_COUNT",
     )
     p.add_argument("--profile-comm", action="store_true", help="communication ledger of every step")
     return p.parse_args(argv)
@@ -134,6 +157,9 @@ def load_bytes(path: Path | None, limit: int = 16 << 20) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8)
 
 
+SEED = 1_000_003_000  # of train_gpt's sample stream
+
+
 def batch_at(data: torch.Tensor, batch: int, seq: int, seed: int, step: int):
     """The (inputs, targets) of one step: a function of (seed, step), so runs can resume."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
@@ -142,13 +168,30 @@ def batch_at(data: torch.Tensor, batch: int, seq: int, seed: int, step: int):
     return window[:, :-1], window[:, 1:]
 
 
+def samples_at(data: torch.Tensor, seq: int, seed: int, first: int, count: int):
+    """(inputs, targets) of samples ``first .. first + count - 1`` of the stream ``seed``.
+
+    Sample ``i`` is the window at a start drawn from a generator seeded by (seed, i) alone,
+    so a rank can read any stretch of the stream without the samples before it.
+    """
+    high = len(data) - seq - 1
+    starts = [
+        int(torch.randint(0, high, (1,), generator=torch.Generator().manual_seed(seed + i)))
+        for i in range(first, first + count)
+    ]
+    window = torch.stack([data[s : s + seq + 1] for s in starts]).long()
+    return window[:, :-1], window[:, 1:]
+
+
 # ------------------------------------------------------------------------------ checkpoints
-def training_state(model, opt, step: int) -> dict:
-    """What a checkpoint holds: sharded model and optimizer state, and the next step."""
+def training_state(model, opt, step: int, samples: int = 0) -> dict:
+    """What a checkpoint holds: sharded model and optimizer state, the next step, and the
+    data position: how many samples of the stream the steps before it took (all ranks)."""
     return {
         "model": dcp.get_model_state_dict(model),
         "optim": dcp.get_optimizer_state_dict(model, opt),
         "step": step,
+        "samples": samples,
     }
 
 
@@ -160,15 +203,19 @@ def newest_checkpoint(root: Path | None) -> Path | None:
     return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
 
 
-def resume(model, opt, root: Path) -> int:
-    """Load the newest checkpoint under ``root`` in place; returns the step to continue at."""
+def resume(model, opt, root: Path | None) -> tuple[int, int, Path | None]:
+    """Load the newest checkpoint under ``root`` in place, at whatever world size this is.
+
+    Returns (step to continue at, samples taken before it, the checkpoint), or
+    ``(0, 0, None)`` when there is none.
+    """
     path = newest_checkpoint(root)
     if path is None:
-        return 0
-    state = training_state(model, opt, 0)
+        return 0, 0, None
+    state = training_state(model, opt, 0, 0)
     dcp.load(state, checkpoint_id=path)
     dcp.set_optimizer_state_dict(model, opt, state["optim"])
-    return int(state["step"])
+    return int(state["step"]), int(state["samples"]), path
 
 
 # ------------------------------------------------------------------------------------ model
@@ -212,9 +259,13 @@ def state_bytes(model, opt) -> int:
 
 
 # ------------------------------------------------------------------------------------ main
-def train(args) -> None:
+def train(args) -> list[tuple[int, float]]:
+    """Train on the default process group (made here from torchrun's environment unless one
+    exists); returns the logged (step, loss) pairs on every rank."""
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo")
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("gloo")
     rank, ws = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(
         vocab_size=256, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
@@ -223,7 +274,10 @@ def train(args) -> None:
     model = build_model(args, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     data = load_bytes(args.data)
-    first = resume(model, opt, args.checkpoint_dir) if args.resume else 0
+    first, samples, resumed_from = resume(model, opt, args.checkpoint_dir)
+    if args.resume and resumed_from is None:
+        raise SystemExit(f"train_gpt: --resume: no committed checkpoint in {args.checkpoint_dir}")
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     progress = console = task = None
     if rank == 0:
@@ -238,8 +292,8 @@ def train(args) -> None:
         progress, task = start_progress(console, args.steps)
         if first and progress is not None:
             progress.update(task, completed=first)
-        if first:
-            console.print(f"resumed from step {first} ({newest_checkpoint(args.checkpoint_dir)})")
+        if resumed_from is not None:
+            console.print(f"resumed from step {first} ({resumed_from}) at world size {ws}")
 
     logged: list[tuple[int, float]] = []
     tokens = 0
@@ -251,7 +305,8 @@ def train(args) -> None:
     for step in range(first, args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
-        x, y = batch_at(data, args.batch, args.seq, 1000 + rank, step)
+        x, y = samples_at(data, args.seq, SEED, samples + rank * args.batch, args.batch)
+        samples += ws * args.batch
         with ledger.step() if ledger else contextlib.nullcontext():
             loss = gpt_loss(model, x, y)
             loss.backward()
@@ -264,6 +319,10 @@ def train(args) -> None:
             value = loss.detach().clone()
             dist.all_reduce(value)
             logged.append((step, value.item() / ws))
+            if rank == 0 and args.loss_log is not None:
+                line = {"step": step, "loss": logged[-1][1], "world_size": ws, "restart": restart}
+                with open(args.loss_log, "a") as f:
+                    f.write(json.dumps(line) + "\n")
         tps = tokens / (time.perf_counter() - start)
         if progress is not None:
             shown = f"{logged[-1][1]:.3f}" if logged else "-"
@@ -276,7 +335,7 @@ def train(args) -> None:
         every = args.checkpoint_every
         if args.checkpoint_dir and ((every and (step + 1) % every == 0) or step == args.steps - 1):
             where = args.checkpoint_dir / f"step-{step + 1:06d}"
-            dcp.save(training_state(model, opt, step + 1), checkpoint_id=where)
+            dcp.save(training_state(model, opt, step + 1, samples), checkpoint_id=where)
     elapsed = time.perf_counter() - start
 
     mine = {
@@ -297,14 +356,16 @@ def train(args) -> None:
     if rank == 0:
         if progress is not None:
             progress.stop()
-        report(console, logged, everyone, tokens / elapsed, elapsed)
+        report(console, logged, everyone, tokens / max(elapsed, 1e-9), elapsed)
         text = bytes(sample[0].tolist()).decode("utf-8", errors="replace")
         console.print("sample:", repr(text))
         if ledger is not None and ledger.steps:
             bad = len(ledger.mismatched_steps)
             console.print(format_ledger(ledger.last), f"\n{bad} step(s) differed", highlight=False)
     dist.barrier()
-    dist.destroy_process_group()
+    if owns_group:
+        dist.destroy_process_group()
+    return logged
 
 
 def start_progress(console, steps: int):
@@ -337,6 +398,8 @@ def report(console, logged, ranks, tps, elapsed) -> None:
     for r in ranks:
         mem.add_row(str(r["rank"]), f"{r['rss_mb']:.0f}", f"{r['state_mb']:.1f}")
     console.print(mem)
+    if not logged:  # resumed from the last step's checkpoint: nothing left to train
+        return
     first, last = logged[0][1], logged[-1][1]
     console.print(
         f"tokens/s {tps:,.0f} over {elapsed:.1f} s; loss {first:.4f} -> {last:.4f} "

@@ -95,6 +95,36 @@ def _check_scalar_types_are_part_of_the_key():
     assert (x * True).dtype == torch.int64
 
 
+def _check_per_step_scalars_reuse_one_entry(foreach: bool):
+    """An optimizer's scalars change every step (bias corrections, a scheduled learning
+    rate): pointwise ops key a number by its type, so step 2 on adds no cache entry, runs
+    the pipeline for nothing, and the results stay those of plain tensors."""
+    mesh = init_device_mesh("cpu", (2,))
+    _dispatch.clear_cache()
+    torch.manual_seed(0)
+    full = [torch.randn(6, 4), torch.randn(8)]
+    params = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in full]
+    plain = [torch.nn.Parameter(t.clone()) for t in full]
+    opts = [torch.optim.AdamW(ps, lr=1e-2, foreach=foreach) for ps in (params, plain)]
+    sizes = []
+    for step in range(6):
+        for opt, ps in zip(opts, (params, plain)):
+            opt.param_groups[0]["lr"] = 1e-2 / (step + 1)  # a schedule
+            for p, g in zip(ps, full):
+                p.grad = distribute_tensor(g * step, mesh, [Shard(0)]) if ps is params else g * step
+            with _counting() as counts:
+                opt.step()
+        sizes.append((len(_dispatch._FAST), len(_dispatch._CACHE), counts["pipeline"]))
+    assert len(set(sizes[2:])) == 1 and (foreach or sizes[-1][2] == 0), sizes
+    for p, q in zip(params, plain):
+        torch.testing.assert_close(p.full_tensor(), q.detach())
+    # a value-free key still tells an int from a float
+    x = distribute_tensor(torch.arange(4), mesh, [Shard(0)])
+    assert (x * 3).dtype == torch.int64 and (x * 3.5).dtype == torch.float32
+    torch.testing.assert_close((x * 3.5).full_tensor(), torch.arange(4) * 3.5)
+    torch.testing.assert_close((x * 5).full_tensor(), torch.arange(4) * 5)
+
+
 def _check_in_place_and_view_hits():
     mesh = init_device_mesh("cpu", (2,))
     x = distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)])
@@ -127,6 +157,11 @@ def test_fast_path_hits_redistribute_like_the_pipeline():
 
 def test_scalar_types_are_part_of_the_cache_key():
     run_on_ranks(2, _check_scalar_types_are_part_of_the_key)
+
+
+def test_per_step_optimizer_scalars_reuse_one_cache_entry():
+    run_on_ranks(2, _check_per_step_scalars_reuse_one_entry, foreach=False)
+    run_on_ranks(2, _check_per_step_scalars_reuse_one_entry, foreach=True)
 
 
 def test_in_place_and_view_ops_on_the_fast_path():

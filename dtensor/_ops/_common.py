@@ -35,6 +35,13 @@ def is_multi_tensor(func) -> bool:
     return name.startswith("_foreach_") or name.split(".")[0] in _FUSED_STEPS
 
 
+# Rules whose decision depends on the types of the numbers an op takes (an int or a float
+# operand), never on their values: dispatch's caches key such numbers by type alone, so an
+# optimizer's per-step scalars (a bias correction, a scheduled learning rate) hit one entry
+# instead of making a new one every step.
+VALUE_FREE_RULES: set = set()
+
+
 def find_rule(func):
     rule = _RULES.get(func) or _RULES.get(func.overloadpacket) or _RULES.get(func._schema.name)
     if rule is None and is_multi_tensor(func):

@@ -15,7 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from dtensor._ops._common import OpSchema, OutputSharding, map_to, register, with_dim
+from dtensor._ops._common import (
+    VALUE_FREE_RULES,
+    OpSchema,
+    OutputSharding,
+    map_to,
+    register,
+    with_dim,
+)
 from dtensor._spec import DTensorSpec
 from dtensor.placement import Partial, Replicate, Shard
 
@@ -174,6 +181,7 @@ for _name in _UNARY + _BINARY:
             register(_op)(pointwise_rule)
 # a * b + c in one rounding: torch.compile's optimizers emit it (inductor registers the op)
 register("prims::fma")(pointwise_rule)
+VALUE_FREE_RULES.add(pointwise_rule)  # _keeps_partial asks whether a number is there
 
 
 @register("_foreach_")
@@ -210,6 +218,9 @@ def foreach_rule(schema: OpSchema) -> OutputSharding:
     if inplace:
         return OutputSharding([], inputs)
     return OutputSharding(outs, inputs, output_meshes=meshes)
+
+
+VALUE_FREE_RULES.add(foreach_rule)  # the pointwise rule per position
 
 
 def _leaf_index_at(schema: OpSchema, spec, j) -> int:

@@ -1,0 +1,49 @@
+"""A short sample of the soak (tests/soak.py; ``make soak`` runs 1,000 steps): 60 steps with a
+checkpoint every 20, and nothing a rank holds may grow from step 10 to step 60 - live tensor
+bytes within 1%, the same process groups, threads, open files, Python objects (by type) and
+library buffers.
+
+RSS is measured and shown (``make soak``) but not asserted here: it grows while all of the
+above stay equal - over 50 steps 0.7-1.1% (2-4 MB; 0.3-0.8% after ``malloc_trim``), over
+1,000 steps at FSDP 2 +2.1-3.3% (+0.9-1.0% after ``malloc_trim``), slowing down as it goes
+(+0.5% by step 110, +0.95% by 500, +0.98% by 1,000, trimmed). Where it goes (fragmentation
+in glibc's heap or memory outside Python's objects and tensors) is an open question; see
+the report of issue 29."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import soak
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "2d"])
+def test_nothing_grows_over_60_steps_and_3_checkpoints(layout, tmp_path):
+    # one block of width 128: the TP activations (4 x 64 x 128 floats) still use the workspace
+    results = soak.run(layout, 60, 20, early=10, directory=tmp_path, dim=128, layers=1)
+    assert len(results) == soak.LAYOUTS[layout][0]
+    for r in results:
+        assert soak.problems(r, 10, 60, rss=False) == [], r["rank"]
+        b = r["points"]["60"]
+        assert b["tensor_bytes"] > 0 and b["process_groups"] >= 1
+        assert r["losses"]["60"] < r["losses"]["10"]  # it trained
+    if layout == "2d":  # the tensor-parallel dim's workspace was in use and kept its buffers
+        assert all(r["points"]["60"]["workspace_buffers"] > 0 for r in results)
+
+
+def test_problems_names_what_grew():
+    same = {k: 1000 for k in (*soak.EXACT, *soak.WITHIN_1PCT)}
+    same.update(objects=10, by_type={"builtins.dict": 5})
+    grown = dict(same, threads=1001, rss_bytes=1020, objects=12)
+    grown["by_type"] = {"builtins.dict": 7}
+    found = soak.problems({"points": {"10": same, "60": grown}}, 10, 60)
+    assert found == [
+        "threads: 1000 -> 1001",
+        "rss_bytes: 1,000 -> 1,020 (+2.00%)",
+        "objects: 10 -> 12 (builtins.dict +2)",
+    ]
+    assert soak.problems({"points": {"10": same, "60": dict(same)}}, 10, 60) == []
+    assert soak.problems({"points": {"10": same, "60": grown}}, 10, 60, rss=False) == [
+        "threads: 1000 -> 1001",
+        "objects: 10 -> 12 (builtins.dict +2)",
+    ]
