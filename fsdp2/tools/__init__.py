@@ -1,0 +1,19 @@
+"""fsdp2.tools: see inside a sharded run.
+
+* ``MemoryTracker`` - live tensor bytes by category (sharded and unsharded parameters and
+  gradients, optimizer state, activations, communication buffers), per module and per phase,
+  current and peak (``fsdp2/tools/memory.py``).
+
+Library code here logs and never prints; ``fsdp2.tools.tables`` renders summaries as rich
+tables for command lines and examples.
+
+Example:
+    >>> from fsdp2.tools import MemoryTracker
+    >>> with MemoryTracker(model, opt) as tracker:
+    ...     loss_fn(model(x), y).backward(); opt.step()
+    >>> tracker.peak, tracker.by_category("peak")["activations"]
+"""
+
+from fsdp2.tools.memory import CATEGORIES, PHASES, MemoryTracker, ModuleStats, Sample
+
+__all__ = ["CATEGORIES", "PHASES", "MemoryTracker", "ModuleStats", "Sample"]
