@@ -26,7 +26,8 @@ Categories (``CATEGORIES``), by what a storage is *now*, walked at every sample:
 * ``activations`` - everything else a forward made (what autograd saved for backward
   included), and the inputs of tracked modules;
 * ``temporaries`` - everything else made in backward or in the optimizer step;
-* ``other`` - module buffers and tensors given to ``track_external``.
+* ``other`` - module buffers, tensors given to ``track_external``, and memory made before
+  the context that an operator inside views (a data set sliced into batches).
 
 Phases (``PHASES``): ``backward`` while the autograd engine runs, ``optimizer`` inside an
 optimizer's ``step``, ``forward`` otherwise (the loss included).
@@ -40,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -115,6 +116,35 @@ class Sample:
     bytes: tuple[int, ...] = field(default_factory=tuple)
 
 
+# A storage that is two things at once counts as the first here: a gradient shard that views
+# a collective's receive buffer is a gradient.
+_PRIORITY = {
+    c: i
+    for i, c in enumerate(
+        ("sharded_params", "sharded_grads", "unsharded_params", "unsharded_grads")
+        + ("optimizer_state", "comm_buffers", "other")
+    )
+}
+
+
+def _state_tensors(opt):
+    """The tensors of an optimizer's state (a dict of dicts of tensors and numbers)."""
+    for st in opt.state.values():
+        values = st.values() if isinstance(st, dict) else tree_leaves(st)
+        for t in values:
+            if isinstance(t, torch.Tensor):
+                yield t
+
+
+def _tensors_in(out):
+    """The tensors in an operator's result (a tensor, or a tuple or list of them)."""
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    if isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out):
+        return out
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
 class _Record:
     __slots__ = ("nbytes", "category", "birth", "device", "ref")
 
@@ -151,7 +181,7 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.tracker._after_op(out)
+        self.tracker._after_op(out, getattr(func, "is_view", False))
         return out
 
 
@@ -161,7 +191,8 @@ class MemoryTracker:
 
     Give it the modules and optimizers to walk (here or with ``track_external``), then run
     the steps inside ``with tracker:``. ``timeline=True`` keeps one ``Sample`` per operator
-    (for a chart; ``fsdp2.tools.chart``).
+    in ``timeline`` (for a chart, ``fsdp2.tools.chart``); ``timeline=n`` keeps only those
+    of the last ``n`` optimizer steps (and of the step under way).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -173,13 +204,14 @@ class MemoryTracker:
         1712
     """
 
-    def __init__(self, *external, timeline: bool = False) -> None:
+    def __init__(self, *external, timeline: bool | int = False) -> None:
         self._modules: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         self._tensors: list[torch.Tensor] = []
         self.keep_timeline = timeline
         self.timeline: list[Sample] = []
         self._records: dict[int, _Record] = {}
+        self._dead: deque = deque()  # (id, weakref) of storages freed, not yet forgotten
         self._totals: dict[tuple[str, str], int] = defaultdict(int)  # (device, category)
         self._roles: dict[int, str] = {}
         self._fsdp: list = []  # FSDPParam
@@ -195,6 +227,9 @@ class MemoryTracker:
         self._peak_by: dict[tuple[str, str], int] = {}
         self._in_optimizer = 0
         self._stepping: list = []  # optimizers inside step(), innermost last
+        self._state_count = -1  # state entries of the stepping optimizer when last looked
+        self._walked: set[int] = set()  # modules whose hooks walk (fully_shard ones, roots)
+        self._states: list = []  # the fully_shard states below the tracked modules
         self._step = 0
         self._ops = 0
         self._handles: list = []
@@ -228,9 +263,17 @@ class MemoryTracker:
         if self._mode is not None:
             raise RuntimeError("MemoryTracker: this tracker is already active.")
         self._names = {}
+        self._states, self._walked = [], {id(root) for root in self._modules}
         for root in self._modules:
             for name, m in root.named_modules():
-                self._names.setdefault(id(m), name or type(m).__name__)
+                if id(m) in self._names:
+                    continue
+                self._names[id(m)] = name or type(m).__name__
+                state = m.__dict__.get("_fsdp_state")
+                if state is not None:
+                    self._walked.add(id(m))
+                    if not any(state is st for st in self._states):
+                        self._states.append(state)
                 self._handles += [
                     m.register_forward_pre_hook(self._pre_forward, prepend=True),
                     m.register_forward_hook(self._post_forward, always_call=True),
@@ -285,6 +328,16 @@ class MemoryTracker:
         """
         self._sample_if_active()
         return self._peak
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps completed inside the context so far.
+
+        Example:
+            >>> tracker.steps
+            1
+        """
+        return self._step
 
     def by_category(self, kind: str = "current", device: str | None = None) -> dict[str, int]:
         """Bytes per category (every name of ``CATEGORIES``): ``kind="current"``, or
@@ -427,6 +480,7 @@ class MemoryTracker:
         if not any(o is opt for o in self._optimizers):
             self._optimizers.append(opt)
         self._stepping.append(opt)
+        self._state_count = -1
         self._in_optimizer += 1
         self._walk()
         self._sample()
@@ -439,6 +493,10 @@ class MemoryTracker:
         self._stepping.pop()
         self._in_optimizer -= 1
         self._step += 1
+        keep = self.keep_timeline
+        if keep is not True and keep:
+            first = self._step - keep
+            self.timeline = [s for s in self.timeline if s.step >= first]
 
     def _name(self, module) -> str:
         return self._names.get(id(module), type(module).__name__)
@@ -446,7 +504,8 @@ class MemoryTracker:
     def _pre_forward(self, module, args) -> None:
         if self._mode is None:
             return
-        self._walk()
+        if id(module) in self._walked:
+            self._walk()
         phase = self.phase
         for t in tree_leaves(args):
             self._register(_storage_of(t), phase, inputs=True)
@@ -465,13 +524,16 @@ class MemoryTracker:
             tensors = [t for t in tensors if t.requires_grad]
             if tensors:  # the module's backward ends when its inputs' gradients exist
                 self._grad_handles.append(
-                    register_multi_grad_hook(tensors, self._backward_end(name), mode="any")
+                    register_multi_grad_hook(
+                        tensors, self._backward_end(name, id(module) in self._walked), mode="any"
+                    )
                 )
 
     def _post_forward(self, module, args, output) -> None:
         if self._mode is None or not self._in_forward:
             return
-        self._walk()
+        if id(module) in self._walked:
+            self._walk()
         self._sample()
         name, peak = self._in_forward.pop()
         stats = self._module_stats[name]
@@ -483,22 +545,26 @@ class MemoryTracker:
         tensors = [t for t in tensors if t.requires_grad]
         if tensors:  # the module's backward starts when its outputs' gradients exist
             self._grad_handles.append(
-                register_multi_grad_hook(tensors, self._backward_start(name), mode="any")
+                register_multi_grad_hook(
+                    tensors, self._backward_start(name, id(module) in self._walked), mode="any"
+                )
             )
 
-    def _backward_start(self, name: str):
+    def _backward_start(self, name: str, walk: bool):
         def hook(grads) -> None:
             if self._mode is not None:
-                self._walk()
+                if walk:
+                    self._walk()
                 self._sample()
                 self._in_backward.setdefault(name, self._current())
 
         return hook
 
-    def _backward_end(self, name: str):
+    def _backward_end(self, name: str, walk: bool):
         def hook(grads) -> None:
             if self._mode is not None and name in self._in_backward:
-                self._walk()
+                if walk:
+                    self._walk()
                 self._sample()
                 peak = max(self._in_backward.pop(name), self._current())
                 stats = self._module_stats[name]
@@ -520,13 +586,16 @@ class MemoryTracker:
         if storage is None:
             return
         key = id(storage)
+        self._drain()  # a storage freed just now may have had this id
         if key in self._records or key in self._volatile_ids:
             return
         if phase == "forward" or inputs:
             birth = "activations"
+        elif phase == "other":
+            birth = "other"
         else:
             birth = "temporaries"
-        category = self._roles.get(key, birth)
+        category = birth  # a walk or a refresh assigns roles
         device = str(storage.device)
         ref = weakref.ref(storage, self._freed_callback(key))
         nbytes = storage.nbytes()
@@ -534,18 +603,22 @@ class MemoryTracker:
         self._totals[(device, category)] += nbytes
 
     def _freed_callback(self, key: int):
-        me = weakref.ref(self)
+        dead = self._dead
 
-        def freed(_ref) -> None:
-            tracker = me()
-            if tracker is None:
-                return
-            rec = tracker._records.pop(key, None)
-            tracker._roles.pop(key, None)
-            if rec is not None:
-                tracker._totals[(rec.device, rec.category)] -= rec.nbytes
+        def freed(ref) -> None:  # any thread may free a storage: only queue it here
+            dead.append((key, ref))
 
         return freed
+
+    def _drain(self) -> None:
+        """Forget the storages freed since the last call."""
+        while self._dead:
+            key, ref = self._dead.popleft()
+            rec = self._records.get(key)
+            if rec is not None and rec.ref is ref:
+                del self._records[key]
+                self._roles.pop(key, None)
+                self._totals[(rec.device, rec.category)] -= rec.nbytes
 
     def _set_category(self, key: int, category: str) -> None:
         rec = self._records.get(key)
@@ -554,15 +627,18 @@ class MemoryTracker:
             rec.category = category
             self._totals[(rec.device, category)] += rec.nbytes
 
-    def _after_op(self, out) -> None:
+    def _after_op(self, out, is_view: bool = False) -> None:
         self._ops += 1
-        phase = self.phase
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._register(_storage_of(t), phase)
+        # a view of a storage not seen yet: memory made before the context (a data set)
+        phase = "other" if is_view else self.phase
+        for t in _tensors_in(out):
+            self._register(_storage_of(t), phase)
         if self._stepping:  # state the step creates is state from the start
-            for st in self._stepping[-1].state.values():
-                for t in tree_leaves(st):
+            opt = self._stepping[-1]
+            count = sum(len(st) for st in opt.state.values())
+            if count != self._state_count:  # new state entries: find their storages
+                self._state_count = count
+                for t in _state_tensors(opt):
                     s = _storage_of(t)
                     if s is not None and id(s) in self._records:
                         self._roles[id(s)] = "optimizer_state"
@@ -570,53 +646,48 @@ class MemoryTracker:
         self._sample()
 
     # ------------------------------------------------------------------------- walks
-    def _fsdp_params(self) -> tuple[list, list]:
-        params, banks = [], []
-        seen = set()
-        for root in self._modules:
-            for m in root.modules():
-                state = m.__dict__.get("_fsdp_state")
-                if state is None or id(state) in seen:
-                    continue
-                seen.add(id(state))
-                if state.group is not None:
-                    params += state.group.params
-                ctx = state.ctx
-                if ctx is not None and not any(b is ctx.comm.pages for b in banks):
-                    banks.append(ctx.comm.pages)
-        return params, banks
+    def _fsdp_params(self) -> tuple[list, list, list]:
+        """The ``FSDPParam``s, page banks and buffer pools of the tracked modules."""
+        params, banks, pools = [], [], []
+        for state in self._states:
+            if state.group is not None:
+                params += state.group.params
+            ctx = state.ctx
+            if ctx is not None and not any(b is ctx.comm.pages for b in banks):
+                banks.append(ctx.comm.pages)
+                pools += [ctx.comm.pool, ctx.comm.no_pool]
+        return params, banks, pools
 
     def _walk(self) -> None:
         """Assign roles to the storages of everything walkable, and refresh every record's
         size (a storage resized since counts at its new size)."""
+        self._drain()
         roles: dict[int, str] = {}
         live: list = []  # storages to keep referenced until they are registered
 
         def role(t, category: str) -> None:
             storage = _storage_of(t)
-            if storage is not None and id(storage) not in roles:
-                roles[id(storage)] = category
+            if storage is None:
+                return
+            key = id(storage)
+            held = roles.get(key)
+            if held is None:
                 live.append(storage)
+            if held is None or _PRIORITY[category] < _PRIORITY[held]:
+                roles[key] = category
 
-        self._fsdp, self._banks = self._fsdp_params()
+        self._fsdp, self._banks, pools = self._fsdp_params()
         volatile = set()
-        comm_storages = []
-        for root in self._modules:
-            for m in root.modules():
-                state = m.__dict__.get("_fsdp_state")
-                if state is not None and state.ctx is not None:
-                    comm_storages += state.ctx.comm.pool.storages()
-                    comm_storages += state.ctx.comm.no_pool.storages()
+        comm_storages = [s for pool in pools for s in pool.storages()]
         for ws in live_workspaces():
             comm_storages += ws.storages
         for s in comm_storages:
-            roles.setdefault(id(s), "comm_buffers")
-            live.append(s)
+            if id(s) not in roles:
+                roles[id(s)] = "comm_buffers"
+                live.append(s)
         for opt in self._optimizers:
-            for st in opt.state.values():
-                for t in tree_leaves(st):
-                    if isinstance(t, torch.Tensor):
-                        role(t, "optimizer_state")
+            for t in _state_tensors(opt):
+                role(t, "optimizer_state")
         for p in self._fsdp:
             if p.storage is not None:
                 s = p.storage.tensor.untyped_storage()
@@ -639,7 +710,6 @@ class MemoryTracker:
                 if param.grad is not None:
                     role(param.grad, "sharded_grads")
                 role(param, "sharded_params")
-        # roles found last win: parameters and gradients over any pool buffer they view
         self._roles = roles
         for key in volatile - self._volatile_ids:
             rec = self._records.pop(key, None)
@@ -653,7 +723,7 @@ class MemoryTracker:
             if key not in self._records:
                 self._register(storage, "forward", inputs=True)
             self._set_category(key, roles[key])
-        for key, rec in self._records.items():
+        for key, rec in list(self._records.items()):
             if key not in roles and rec.category != rec.birth:
                 self._set_category(key, rec.birth)  # no longer what it was (a grad set to None)
             storage = rec.ref()
@@ -705,6 +775,7 @@ class MemoryTracker:
         return out
 
     def _sample(self) -> None:
+        self._drain()
         self._refresh_fsdp()
         now = self._current()
         phase = self.phase
