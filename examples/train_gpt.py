@@ -8,6 +8,7 @@ as bytes, so the vocabulary is 256. ``--data PATH`` trains on any text file or f
     python examples/train_gpt.py --checkpoint-dir ckpt --checkpoint-every 100
     python examples/train_gpt.py --checkpoint-dir ckpt --resume --steps 1000
     python examples/train_gpt.py --compile                # every block torch.compile'd
+    python examples/train_gpt.py --steps 20 --profile-memory --memory-chart memory.svg
 
 Checkpoints (``dtensor.checkpoint``) go to ``step-NNNNNN`` folders; ``--resume`` continues
 from the newest one exactly: the batches are a function of (rank, step), so the resumed run
@@ -71,6 +72,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--resume", action="store_true", help="continue from the newest checkpoint there"
     )
+    p.add_argument(
+        "--profile-memory",
+        action="store_true",
+        help="track live tensor bytes by category, phase and module (fsdp2.tools.MemoryTracker) "
+        "and print rank 0's tables at the end",
+    )
+    p.add_argument(
+        "--memory-chart", type=Path, default=None, help="write rank 0's memory over the last "
+        "step, by category, to this .svg (or .html)",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -240,6 +251,7 @@ def train(args) -> None:
 
     logged: list[tuple[int, float]] = []
     tokens = 0
+    memory = start_memory_tracker(args, model, opt)
     start = time.perf_counter()
     for step in range(first, args.steps):
         for group in opt.param_groups:
@@ -270,6 +282,8 @@ def train(args) -> None:
             where = args.checkpoint_dir / f"step-{step + 1:06d}"
             dcp.save(training_state(model, opt, step + 1), checkpoint_id=where)
     elapsed = time.perf_counter() - start
+    if memory is not None:
+        memory.__exit__(None, None, None)
 
     mine = {
         "rank": rank,
@@ -290,10 +304,34 @@ def train(args) -> None:
         if progress is not None:
             progress.stop()
         report(console, logged, everyone, tokens / elapsed, elapsed)
+        memory_report(memory, args, console)
         text = bytes(sample[0].tolist()).decode("utf-8", errors="replace")
         console.print("sample:", repr(text))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def start_memory_tracker(args, model, opt):
+    """``--profile-memory`` / ``--memory-chart``: a started ``MemoryTracker`` (else None)."""
+    if not (args.profile_memory or args.memory_chart):
+        return None
+    from fsdp2.tools import MemoryTracker
+
+    return MemoryTracker(model, opt, timeline=1 if args.memory_chart else False).__enter__()
+
+
+def memory_report(tracker, args, console) -> None:
+    """Print the tracker's tables and write the chart (rank 0, at the end of the run)."""
+    if tracker is None:
+        return
+    if args.profile_memory:
+        from fsdp2.tools.tables import print_memory_summary
+
+        print_memory_summary(tracker, console)
+    if args.memory_chart:
+        from fsdp2.tools.chart import write_memory_chart
+
+        console.print(f"memory chart: {write_memory_chart(tracker, args.memory_chart)}")
 
 
 def start_progress(console, steps: int):
