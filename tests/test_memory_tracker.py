@@ -256,3 +256,40 @@ def test_categories_and_bad_input():
         MemoryTracker("model")
     with pytest.raises(ValueError, match="'current' or 'peak'"):
         MemoryTracker().by_category("max")
+
+
+def test_summary_log_tables_and_chart_of_the_last_step(caplog, tmp_path):
+    import io
+    import logging
+    import xml.etree.ElementTree as ET
+
+    from rich.console import Console
+
+    from fsdp2.tools.chart import write_memory_chart
+    from fsdp2.tools.tables import print_memory_summary
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(8, DIM)
+    with MemoryTracker(model, opt, timeline=1) as tracker:
+        for _ in range(3):
+            _step(model, opt, x)
+    assert tracker.steps == 3
+    assert {s.step for s in tracker.timeline} == {2, 3}  # the last step, and what came after
+    last = [s for s in tracker.timeline if s.step == 2]
+    assert [s.phase for s in last][0] == "forward" and last[-1].phase == "optimizer"
+    assert max(sum(s.bytes) for s in last) <= tracker.peak
+    summary = tracker.summary()
+    assert summary["peak"] == tracker.peak and summary["by_module"]["0"]["calls"] == 3
+    with caplog.at_level(logging.INFO, logger="fsdp2.tools.memory"):
+        tracker.log_summary()
+    assert "optimizer_state" in caplog.text and "module 0" in caplog.text
+    console = Console(file=io.StringIO(), width=120)
+    print_memory_summary(tracker, console)
+    text = console.file.getvalue()
+    assert "live tensor bytes by category" in text and "optimizer_state" in text
+    path = write_memory_chart(tracker, tmp_path / "m.html")
+    assert path.read_text().startswith("<!doctype html>")
+    svg = ET.fromstring(write_memory_chart(tracker, tmp_path / "m.svg").read_text())
+    titles = [t.text for t in svg.iter() if t.tag.endswith("title")]
+    assert {"sharded_params", "sharded_grads", "optimizer_state", "activations"} <= set(titles)

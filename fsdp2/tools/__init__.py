@@ -5,7 +5,8 @@
   current and peak (``fsdp2/tools/memory.py``).
 
 Library code here logs and never prints; ``fsdp2.tools.tables`` renders summaries as rich
-tables for command lines and examples.
+tables for command lines and examples, ``fsdp2.tools.chart`` writes memory over a step as a
+self-contained SVG. See docs/tools.md.
 
 Example:
     >>> from fsdp2.tools import MemoryTracker
