@@ -15,6 +15,7 @@ Example:
     >>> tracker.peak, tracker.by_category("peak")["activations"]
 """
 
-from fsdp2.tools.memory import CATEGORIES, PHASES, MemoryTracker, ModuleStats, Sample
+from fsdp2.tools.memory import MemoryTracker, ModuleStats, Sample
 
-__all__ = ["CATEGORIES", "PHASES", "MemoryTracker", "ModuleStats", "Sample"]
+# The category and phase names (plain tuples): ``fsdp2.tools.memory.CATEGORIES`` / ``PHASES``.
+__all__ = ["MemoryTracker", "ModuleStats", "Sample"]

@@ -73,7 +73,7 @@ CATEGORIES = (
 )
 PHASES = ("forward", "backward", "optimizer")
 
-__all__ = ["CATEGORIES", "PHASES", "MemoryTracker", "ModuleStats", "Sample"]
+__all__ = ["MemoryTracker", "ModuleStats", "Sample"]
 
 
 @dataclass
@@ -727,11 +727,14 @@ class MemoryTracker:
             if key not in roles and rec.category != rec.birth:
                 self._set_category(key, rec.birth)  # no longer what it was (a grad set to None)
             storage = rec.ref()
-            if storage is not None:
-                nbytes = storage.nbytes()
-                if nbytes != rec.nbytes:
-                    self._totals[(rec.device, rec.category)] += nbytes - rec.nbytes
-                    rec.nbytes = nbytes
+            if storage is None:  # freed, its callback not run yet
+                self._dead.append((key, rec.ref))
+                continue
+            nbytes = storage.nbytes()
+            if nbytes != rec.nbytes:
+                self._totals[(rec.device, rec.category)] += nbytes - rec.nbytes
+                rec.nbytes = nbytes
+        self._drain()
 
     def _refresh_fsdp(self) -> None:
         """The parts that change between walks: unsharded parameters (their memory comes and
