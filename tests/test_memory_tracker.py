@@ -167,6 +167,23 @@ def test_single_process_totals_and_peak_match_direct_counts():
     stats = tracker.by_module()
     assert list(stats)[:2] == ["Sequential", "0"] and stats["0"].calls == 1
     assert stats["0"].after_forward - stats["0"].before_forward == BATCH * DIM * 4  # its output
+    assert stats["0"].forward_peak >= stats["0"].after_forward
+    assert stats["0"].backward_peak > stats["0"].after_forward  # its input's grad, and more
+
+
+def test_collective_workspace_buffers_are_comm_buffers():
+    from dtensor import Workspace
+
+    ws = Workspace()
+    with MemoryTracker() as tracker:
+        a = ws.empty((256, 1024), torch.float32, "cpu")  # kept by the workspace: 1 MiB
+        in_use = tracker.by_category()["comm_buffers"]
+        del a
+        idle = tracker.by_category()["comm_buffers"]  # free again, still kept
+        ws.clear()
+        torch.zeros(1)
+    assert in_use == idle == 1 << 20
+    assert tracker.by_category()["comm_buffers"] == 0
 
 
 def test_resize_to_zero_counts_as_freed():

@@ -208,7 +208,7 @@ class MemoryTracker:
         self._modules: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         self._tensors: list[torch.Tensor] = []
-        self.keep_timeline = timeline
+        self._keep_timeline = timeline
         self.timeline: list[Sample] = []
         self._records: dict[int, _Record] = {}
         self._dead: deque = deque()  # (id, weakref) of storages freed, not yet forgotten
@@ -493,7 +493,7 @@ class MemoryTracker:
         self._stepping.pop()
         self._in_optimizer -= 1
         self._step += 1
-        keep = self.keep_timeline
+        keep = self._keep_timeline
         if keep is not True and keep:
             first = self._step - keep
             self.timeline = [s for s in self.timeline if s.step >= first]
@@ -794,7 +794,7 @@ class MemoryTracker:
             self._in_forward = [(n, max(p, now)) for n, p in self._in_forward]
         for name in self._in_backward:
             self._in_backward[name] = max(self._in_backward[name], now)
-        if self.keep_timeline:
+        if self._keep_timeline:
             cats = self._by_category_now()
             self.timeline.append(
                 Sample(self._ops, self._step, phase, tuple(cats[c] for c in CATEGORIES))
