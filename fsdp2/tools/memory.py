@@ -29,8 +29,10 @@ Categories (``CATEGORIES``), by what a storage is *now*, walked at every sample:
 * ``other`` - module buffers, tensors given to ``track_external``, and memory made before
   the context that an operator inside views (a data set sliced into batches).
 
-Phases (``PHASES``): ``backward`` while the autograd engine runs, ``optimizer`` inside an
-optimizer's ``step``, ``forward`` otherwise (the loss included).
+Phases (``PHASES``): ``forward`` from a tracked module's forward (outside backward), ``backward``
+from the autograd engine's start, ``optimizer`` from an optimizer's ``step``; each lasts
+until the next begins, so the loss belongs to forward, gradient clipping to backward and
+``zero_grad`` to the optimizer.
 
 The tracker samples after every operator: ``current`` is the sum now, ``peak`` the highest
 sample. Library code logs and never prints: ``summary()`` returns plain data,
@@ -101,8 +103,9 @@ class ModuleStats:
 @dataclass
 class Sample:
     """One point of the timeline (``MemoryTracker(timeline=True)``): after operator number
-    ``index``, in optimizer step ``step`` and ``phase``, ``bytes`` per category (in the
-    order of ``CATEGORIES``).
+    ``index``, in ``phase`` of step ``step`` (counted from 0; a step runs from its forward to
+    the next step's forward, so its ``zero_grad`` belongs to it), ``bytes`` per category (in
+    the order of ``CATEGORIES``).
 
     Example:
         >>> s = tracker.timeline[0]
@@ -226,6 +229,8 @@ class MemoryTracker:
         self._peak = 0
         self._peak_by: dict[tuple[str, str], int] = {}
         self._in_optimizer = 0
+        self._last_phase = "forward"
+        self._sample_step = 0  # the step samples belong to: from its forward to the next
         self._stepping: list = []  # optimizers inside step(), innermost last
         self._state_count = -1  # state entries of the stepping optimizer when last looked
         self._walked: set[int] = set()  # modules whose hooks walk (fully_shard ones, roots)
@@ -461,7 +466,8 @@ class MemoryTracker:
     # ------------------------------------------------------------------------- phases
     @property
     def phase(self) -> str:
-        """The phase now: ``"optimizer"``, ``"backward"`` or ``"forward"``.
+        """The phase now: ``"forward"``, ``"backward"`` or ``"optimizer"``, the one begun last
+        (see [Note: memory tracker]).
 
         Example:
             >>> tracker.phase
@@ -470,8 +476,8 @@ class MemoryTracker:
         if self._in_optimizer:
             return "optimizer"
         if torch._C._current_graph_task_id() != -1:
-            return "backward"
-        return "forward"
+            self._last_phase = "backward"
+        return self._last_phase
 
     def _pre_step(self, opt, args, kwargs) -> None:
         if self._mode is None:
@@ -492,6 +498,7 @@ class MemoryTracker:
         self._sample()
         self._stepping.pop()
         self._in_optimizer -= 1
+        self._last_phase = "optimizer"
         self._step += 1
         keep = self._keep_timeline
         if keep is not True and keep:
@@ -506,6 +513,10 @@ class MemoryTracker:
             return
         if id(module) in self._walked:
             self._walk()
+        if not self._in_optimizer and torch._C._current_graph_task_id() == -1:
+            if self._last_phase == "optimizer":  # the next step's forward
+                self._sample_step = self._step
+            self._last_phase = "forward"
         phase = self.phase
         for t in tree_leaves(args):
             self._register(_storage_of(t), phase, inputs=True)
@@ -797,5 +808,5 @@ class MemoryTracker:
         if self._keep_timeline:
             cats = self._by_category_now()
             self.timeline.append(
-                Sample(self._ops, self._step, phase, tuple(cats[c] for c in CATEGORIES))
+                Sample(self._ops, self._sample_step, phase, tuple(cats[c] for c in CATEGORIES))
             )
