@@ -58,6 +58,7 @@ from torch.utils._pytree import tree_leaves
 
 from dtensor import DTensor, live_workspaces
 from dtensor.spec import local_of
+from fsdp2._param import is_managed, unsharded_of
 from fsdp2._storage import MappedStorage
 
 logger = logging.getLogger(__name__)
@@ -218,6 +219,7 @@ class MemoryTracker:
         self._totals: dict[tuple[str, str], int] = defaultdict(int)  # (device, category)
         self._roles: dict[int, str] = {}
         self._fsdp: list = []  # FSDPParam
+        self._plain: list = []  # parameters outside fully_shard
         self._banks: list = []
         self._volatile_ids: set[int] = set()
         self._volatile: dict[tuple[str, str], int] = {}
@@ -716,11 +718,16 @@ class MemoryTracker:
             role(p.local, "sharded_params")
             if p.sharded_param.grad is not None:
                 role(p.sharded_param.grad, "sharded_grads")
+        plain = []
         for root in self._modules:
             for param in root.parameters():
+                if unsharded_of(param) is not None or is_managed(param):
+                    continue  # fully_shard's: walked above, refreshed at every sample
+                plain.append(param)
                 if param.grad is not None:
                     role(param.grad, "sharded_grads")
                 role(param, "sharded_params")
+        self._plain = plain
         self._roles = roles
         for key in volatile - self._volatile_ids:
             rec = self._records.pop(key, None)
@@ -772,6 +779,12 @@ class MemoryTracker:
                     self._set_category(key, "unsharded_grads")
             sg = p.sharded_param.grad
             s = _storage_of(sg)
+            if s is not None:
+                if id(s) not in self._records:
+                    self._register(s, self.phase)
+                self._set_category(id(s), "sharded_grads")
+        for param in self._plain:  # plain parameters' gradients, as autograd makes them
+            s = _storage_of(param.grad)
             if s is not None:
                 if id(s) not in self._records:
                     self._register(s, self.phase)
