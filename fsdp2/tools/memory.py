@@ -220,6 +220,8 @@ class MemoryTracker:
         self._roles: dict[int, str] = {}
         self._fsdp: list = []  # FSDPParam
         self._plain: list = []  # parameters outside fully_shard
+        self._pools: list = []  # fsdp2's collective buffer pools
+        self._pending_other: list[int] = []  # views of unknown memory since the last walk
         self._banks: list = []
         self._volatile_ids: set[int] = set()
         self._volatile: dict[tuple[str, str], int] = {}
@@ -609,11 +611,20 @@ class MemoryTracker:
         else:
             birth = "temporaries"
         category = birth  # a walk or a refresh assigns roles
+        if birth == "other":  # maybe a collective buffer being made: look again next sample
+            self._pending_other.append(key)
         device = str(storage.device)
         ref = weakref.ref(storage, self._freed_callback(key))
         nbytes = storage.nbytes()
         self._records[key] = _Record(nbytes, category, birth, device, ref)
         self._totals[(device, category)] += nbytes
+
+    def _comm_now(self):
+        """The storages of the buffer pools and workspaces now (a few each)."""
+        for pool in self._pools:
+            yield from pool.storages()
+        for ws in live_workspaces():
+            yield from ws.storages
 
     def _freed_callback(self, key: int):
         dead = self._dead
@@ -689,9 +700,9 @@ class MemoryTracker:
             if held is None or _PRIORITY[category] < _PRIORITY[held]:
                 roles[key] = category
 
-        self._fsdp, self._banks, pools = self._fsdp_params()
+        self._fsdp, self._banks, self._pools = self._fsdp_params()
         volatile = set()
-        comm_storages = [s for pool in pools for s in pool.storages()]
+        comm_storages = [s for pool in self._pools for s in pool.storages()]
         for ws in live_workspaces():
             comm_storages += ws.storages
         for s in comm_storages:
@@ -729,6 +740,7 @@ class MemoryTracker:
                 role(param, "sharded_params")
         self._plain = plain
         self._roles = roles
+        self._pending_other = []
         for key in volatile - self._volatile_ids:
             rec = self._records.pop(key, None)
             if rec is not None:
@@ -803,6 +815,11 @@ class MemoryTracker:
 
     def _sample(self) -> None:
         self._drain()
+        if self._pending_other:  # a pool's new buffer is a view of a fresh host mapping
+            comm = {id(c) for c in self._comm_now()}
+            for key in [k for k in self._pending_other if k in comm]:
+                self._set_category(key, "comm_buffers")
+                self._pending_other.remove(key)
         self._refresh_fsdp()
         now = self._current()
         phase = self.phase
