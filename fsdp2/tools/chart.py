@@ -1,7 +1,7 @@
 """A self-contained SVG chart of memory over a step, by category (no dependency).
 
-``memory_chart_svg(samples)`` stacks the bytes of each category (``CATEGORIES``) over the
-samples of a ``MemoryTracker(timeline=...)`` in operator order, shades the phases (forward,
+``memory_chart_svg(samples)`` stacks the bytes of each category (``CATEGORIES``, with
+``other`` at the bottom) over the samples of a ``MemoryTracker(timeline=...)`` in operator order, shades the phases (forward,
 backward, optimizer) beneath, and marks the peak; ``write_memory_chart(tracker, path)``
 writes the last complete optimizer step's chart to a file a browser opens.
 """
@@ -85,7 +85,10 @@ def memory_chart_svg(samples: list[Sample], title: str = "memory over one step")
             )
             start = i
     below = [0] * n
-    for c, cat in enumerate(CATEGORIES):
+    # "other" (module buffers, a data set) is mostly flat: at the bottom, under what moves
+    order = [CATEGORIES.index("other")] + [i for i, c in enumerate(CATEGORIES) if c != "other"]
+    for c in order:
+        cat = CATEGORIES[c]
         above = [below[i] + pts[i].bytes[c] for i in range(n)]
         if not any(pts[i].bytes[c] for i in range(n)):
             continue
