@@ -37,6 +37,7 @@ import ctypes
 import functools
 import math
 import mmap
+import weakref
 from pathlib import Path
 
 import torch
@@ -106,6 +107,7 @@ class HostRegion:
             except OSError:  # a kernel built without transparent huge pages
                 pass
         self.resident = True
+        _REGIONS[self._address] = self
 
     def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """A tensor of ``shape`` over the start of the region (it keeps the mapping alive)."""
@@ -148,6 +150,22 @@ class HostRegion:
             if moved != target:  # refused (a kernel before 5.7): pages fault in as before
                 return False
         return True
+
+
+_REGIONS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # by start address
+
+
+def region_at(address: int) -> HostRegion | None:
+    """The live ``HostRegion`` whose tensors start at ``address``, if any (memory tools use
+    it to tell fsdp2's own host buffers from other memory).
+
+    Example::
+
+        >>> region = HostRegion(4 << 20)
+        >>> region_at(region.tensor(torch.uint8, (16,)).data_ptr()) is region
+        True
+    """
+    return _REGIONS.get(address)
 
 
 # mremap flags: may move, to a fixed address, leaving the source mapped (and empty).

@@ -58,6 +58,7 @@ from torch.utils._pytree import tree_leaves
 
 from dtensor import DTensor, live_workspaces
 from dtensor.spec import local_of
+from fsdp2._host_memory import region_at
 from fsdp2._param import is_managed, unsharded_of
 from fsdp2._storage import MappedStorage
 
@@ -611,7 +612,9 @@ class MemoryTracker:
         else:
             birth = "temporaries"
         category = birth  # a walk or a refresh assigns roles
-        if birth == "other":  # maybe a collective buffer being made: look again next sample
+        if birth == "other" and region_at(storage.data_ptr()) is not None:
+            category = "comm_buffers"  # fsdp2's own host mapping, not a parameter's: a buffer
+        elif birth == "other":  # maybe a collective buffer being made: look again next sample
             self._pending_other.append(key)
         device = str(storage.device)
         ref = weakref.ref(storage, self._freed_callback(key))
