@@ -8,6 +8,7 @@ as bytes, so the vocabulary is 256. ``--data PATH`` trains on any text file or f
     python examples/train_gpt.py --checkpoint-dir ckpt --checkpoint-every 100
     python examples/train_gpt.py --checkpoint-dir ckpt --steps 1000   # goes on from ckpt
     python examples/train_gpt.py --compile                # every block torch.compile'd
+    python examples/train_gpt.py --steps 20 --profile-memory --memory-chart memory.svg
 
 Checkpoints (``dtensor.checkpoint``) go to ``step-NNNNNN`` folders. On start the script
 continues from the newest committed one there, at any world size (the checkpoint reshards on
@@ -97,6 +98,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         "agent's TORCHELASTIC_RESTART_COUNT",
     )
     p.add_argument("--profile-comm", action="store_true", help="communication ledger of every step")
+    p.add_argument(
+        "--profile-memory",
+        action="store_true",
+        help="track live tensor bytes by category, phase and module (fsdp2.tools.MemoryTracker), "
+        "count each step's collectives against the expectation (fsdp2.tools.CommLedger) "
+        "and print rank 0's tables at the end",
+    )
+    p.add_argument(
+        "--memory-chart", type=Path, default=None, help="write rank 0's memory over the last "
+        "step, by category, to this .svg (or .html)",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -299,8 +311,11 @@ def train(args) -> list[tuple[int, float]]:
     tokens = 0
     # --profile-comm: each step's collectives beside the expected ones (docs/tools.md)
     ledger = (
-        CommLedger(expected_step_comms(model, clip_grad_norm=True)) if args.profile_comm else None
+        CommLedger(expected_step_comms(model, clip_grad_norm=True))
+        if args.profile_comm or args.profile_memory
+        else None
     )
+    memory = start_memory_tracker(args, model, opt)
     start = time.perf_counter()
     for step in range(first, args.steps):
         for group in opt.param_groups:
@@ -337,6 +352,8 @@ def train(args) -> list[tuple[int, float]]:
             where = args.checkpoint_dir / f"step-{step + 1:06d}"
             dcp.save(training_state(model, opt, step + 1, samples), checkpoint_id=where)
     elapsed = time.perf_counter() - start
+    if memory is not None:
+        memory.__exit__(None, None, None)
 
     mine = {
         "rank": rank,
@@ -357,6 +374,7 @@ def train(args) -> list[tuple[int, float]]:
         if progress is not None:
             progress.stop()
         report(console, logged, everyone, tokens / max(elapsed, 1e-9), elapsed)
+        memory_report(memory, args, console)
         text = bytes(sample[0].tolist()).decode("utf-8", errors="replace")
         console.print("sample:", repr(text))
         if ledger is not None and ledger.steps:
@@ -366,6 +384,29 @@ def train(args) -> list[tuple[int, float]]:
     if owns_group:
         dist.destroy_process_group()
     return logged
+
+
+def start_memory_tracker(args, model, opt):
+    """``--profile-memory`` / ``--memory-chart``: a started ``MemoryTracker`` (else None)."""
+    if not (args.profile_memory or args.memory_chart):
+        return None
+    from fsdp2.tools import MemoryTracker
+
+    return MemoryTracker(model, opt, timeline=1 if args.memory_chart else False).__enter__()
+
+
+def memory_report(tracker, args, console) -> None:
+    """Print the tracker's tables and write the chart (rank 0, at the end of the run)."""
+    if tracker is None:
+        return
+    if args.profile_memory:
+        from fsdp2.tools.tables import print_memory_summary
+
+        print_memory_summary(tracker, console)
+    if args.memory_chart:
+        from fsdp2.tools.chart import write_memory_chart
+
+        console.print(f"memory chart: {write_memory_chart(tracker, args.memory_chart)}")
 
 
 def start_progress(console, steps: int):

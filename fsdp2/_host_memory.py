@@ -37,6 +37,7 @@ import ctypes
 import functools
 import math
 import mmap
+import weakref
 from pathlib import Path
 
 import torch
@@ -106,6 +107,7 @@ class HostRegion:
             except OSError:  # a kernel built without transparent huge pages
                 pass
         self.resident = True
+        _REGIONS[self._address] = self
 
     def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """A tensor of ``shape`` over the start of the region (it keeps the mapping alive)."""
@@ -150,6 +152,22 @@ class HostRegion:
         return True
 
 
+_REGIONS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # by start address
+
+
+def region_at(address: int) -> HostRegion | None:
+    """The live ``HostRegion`` whose tensors start at ``address``, if any (memory tools use
+    it to tell fsdp2's own host buffers from other memory).
+
+    Example::
+
+        >>> region = HostRegion(4 << 20)
+        >>> region_at(region.tensor(torch.uint8, (16,)).data_ptr()) is region
+        True
+    """
+    return _REGIONS.get(address)
+
+
 # mremap flags: may move, to a fixed address, leaving the source mapped (and empty).
 _MREMAP_MOVE_KEEP_SOURCE = ctypes.c_int(1 | 2 | 4)
 
@@ -189,6 +207,17 @@ class PageBank:
         self.keep_bytes = 0
         self._held: collections.OrderedDict[int, HostRegion] = collections.OrderedDict()
         self.moves = 0  # regions backed by another's pages so far
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the freed parameters' pages held now (for ``fsdp2.tools.MemoryTracker``).
+
+        Example::
+
+            >>> PageBank().held_bytes
+            0
+        """
+        return sum(r.nbytes for r in self._held.values())
 
     def release(self, region: HostRegion) -> None:
         region.resident = False

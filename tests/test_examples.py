@@ -113,3 +113,24 @@ def test_checkpoint_reshard_resumes_fsdp4_as_fsdp2_tp2(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "losses match" in out.stdout, out.stdout
     assert verify(tmp_path / "step-000003") == []
+
+
+def test_train_gpt_profile_memory_prints_the_tracker_and_writes_a_chart(tmp_path):
+    """``--profile-memory`` prints rank 0's memory tables at the end of the run, and
+    ``--memory-chart`` writes its last step's memory by category as an SVG."""
+    import xml.etree.ElementTree as ET
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    chart = tmp_path / "memory.svg"
+    cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--nproc", "2", "--steps", "2"]
+    cmd += ["--dim", "32", "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "2"]
+    cmd += ["--profile-memory", "--memory-chart", str(chart)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "live tensor bytes by category" in out.stdout, out.stdout
+    for name in ("sharded_params", "unsharded_params", "optimizer_state", "blocks.0.attn"):
+        assert name in out.stdout, name
+    svg = ET.parse(chart).getroot()
+    assert svg.tag.endswith("svg") and "memory over step 1" in ET.tostring(svg, "unicode")
+    polygons = [e for e in svg.iter() if e.tag.endswith("polygon")]
+    assert len(polygons) >= 4  # a band per category present: parameters, grads, state, ...

@@ -1,9 +1,22 @@
-"""fsdp2.tools: see inside a sharded run - the communication ledger and the analytic
-expectation of a step's collectives.
+"""fsdp2.tools: see inside a sharded run.
+
+* ``MemoryTracker`` - live tensor bytes by category (sharded and unsharded parameters and
+  gradients, optimizer state, activations, communication buffers), per module and per phase,
+  current and peak (``fsdp2/tools/memory.py``).
+* ``CommLedger`` - each step's collectives (count and bytes per kind and mesh dim) beside the
+  analytic expectation ``expected_step_comms`` computes from the model's structure
+  (``fsdp2/tools/ledger.py``, ``fsdp2/tools/comm_model.py``).
+
+Library code here logs and never prints; ``fsdp2.tools.tables`` renders summaries as rich
+tables for command lines and examples, ``fsdp2.tools.chart`` writes memory over a step as a
+self-contained SVG. See docs/tools.md.
 
 Example:
-    >>> from fsdp2.tools import CommLedger, expected_step_comms
+    >>> from fsdp2.tools import CommLedger, MemoryTracker, expected_step_comms
     >>> ledger = CommLedger(expected_step_comms(model))
+    >>> with MemoryTracker(model, opt) as tracker, ledger.step():
+    ...     loss_fn(model(x), y).backward(); opt.step()
+    >>> tracker.peak, tracker.by_category("peak")["activations"], ledger.mismatched_steps
 """
 
 from fsdp2.tools.comm_model import (
@@ -15,8 +28,13 @@ from fsdp2.tools.comm_model import (
     groups_of,
 )
 from fsdp2.tools.ledger import CommLedger, LedgerRow, StepEntry, format_ledger
+from fsdp2.tools.memory import MemoryTracker, ModuleStats, Sample
 
+# The category and phase names (plain tuples): ``fsdp2.tools.memory.CATEGORIES`` / ``PHASES``.
 __all__ = [
+    "MemoryTracker",
+    "ModuleStats",
+    "Sample",
     "CommLedger",
     "LedgerRow",
     "StepEntry",
