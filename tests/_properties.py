@@ -35,7 +35,7 @@ _COMMON = dict(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     print_blob=True,
 )
-LONG_EXAMPLES = 300
+LONG_EXAMPLES = 40  # per property and world size
 settings.register_profile("fast", max_examples=12, derandomize=True, **_COMMON)
 settings.register_profile("long", max_examples=LONG_EXAMPLES, **_COMMON)
 if PROFILE not in ("fast", "long"):
@@ -44,10 +44,10 @@ settings.load_profile(PROFILE)
 LONG = PROFILE == "long"
 
 
-def examples(fast: int) -> settings:
-    """A property's example budget: ``fast`` in the fast profile (sized by what one example
-    costs), ``LONG_EXAMPLES`` in the long one."""
-    return settings(max_examples=LONG_EXAMPLES if LONG else fast)
+def examples(fast: int, long: int = LONG_EXAMPLES) -> settings:
+    """A property's example budget (per world size where the test is parametrized by it):
+    ``fast`` in the fast profile, sized by what one example costs, ``long`` in the long one."""
+    return settings(max_examples=long if LONG else fast)
 
 
 # The multi-rank properties use real gloo worlds of these sizes (an 8-process pool takes
@@ -78,6 +78,9 @@ def summary_lines() -> list[str]:
             f"  {prop}: {c['examples']} hypothesis examples, {c['cases']} cases run, "
             f"{errors} of them ending in a clear library error"
         )
+        sizes = [f"{k.rsplit(' ', 1)[1]}: {v}" for k, v in sorted(c.items()) if "world size" in k]
+        if sizes:
+            lines.append(f"      by world size: {', '.join(sizes)}")
         for k, v in sorted(c.items()):
             if k.startswith("error"):
                 lines.append(f"      {v:5d} x {k[len('error: ') :]}")

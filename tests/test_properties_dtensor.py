@@ -74,11 +74,12 @@ def _run_batch(fn, mesh_cases, report: str, prop: str) -> list[str]:
     return outcomes
 
 
-def _tally(prop: str, report: str, n_cases: int) -> list[str]:
+def _tally(prop: str, report: str, n_cases: int, world_size: int) -> list[str]:
     with open(report) as f:
         outcomes = json.load(f)
     assert len(outcomes) == n_cases
     P.count(prop, "examples")
+    P.count(prop, f"cases at world size {world_size}", n_cases)
     P.count(prop, "cases", n_cases)
     for o in outcomes:
         if o != "ok":
@@ -163,8 +164,7 @@ def _layout_batch(cases, report):
 
 
 @st.composite
-def _layout_cases(draw):
-    ws = draw(st.sampled_from(P.WORLD_SIZES))
+def _layout_cases(draw, ws):
     cases = []
     for _ in range(draw(st.integers(1, P.BATCH))):
         mesh = draw(st.sampled_from(P.mesh_shapes(ws)))
@@ -182,13 +182,14 @@ def _layout_cases(draw):
 
 
 @pytest.mark.timeout(P.TIMEOUT_S)
-@given(_layout_cases())
-@P.examples(16)
-def test_distribute_redistribute_from_local_round_trips(tmp_path_factory, example):
-    ws, cases = example
+@pytest.mark.parametrize("ws", P.WORLD_SIZES)
+@given(data=st.data())
+@P.examples(8)
+def test_distribute_redistribute_from_local_round_trips(tmp_path_factory, ws, data):
+    _, cases = data.draw(_layout_cases(ws))
     report = str(tmp_path_factory.mktemp("layout") / "outcomes.json")
     run_on_ranks(ws, _layout_batch, cases=cases, report=report, timeout_s=BATCH_TIMEOUT_S)
-    _tally("layout: distribute/redistribute/from_local/full_tensor", report, len(cases))
+    _tally("layout: distribute/redistribute/from_local/full_tensor", report, len(cases), ws)
 
 
 # ------------------------------------------------------------------------ partial sources
@@ -230,8 +231,7 @@ def _partial_batch(cases, report):
 
 
 @st.composite
-def _partial_cases(draw):
-    ws = draw(st.sampled_from(P.WORLD_SIZES))
+def _partial_cases(draw, ws):
     cases = []
     for _ in range(draw(st.integers(1, P.BATCH))):
         mesh = draw(st.sampled_from(P.mesh_shapes(ws)))
@@ -246,13 +246,14 @@ def _partial_cases(draw):
 
 
 @pytest.mark.timeout(P.TIMEOUT_S)
-@given(_partial_cases())
-@P.examples(25)
-def test_partial_of_every_reduce_op_reduces_exactly(tmp_path_factory, example):
-    ws, cases = example
+@pytest.mark.parametrize("ws", P.WORLD_SIZES)
+@given(data=st.data())
+@P.examples(15)
+def test_partial_of_every_reduce_op_reduces_exactly(tmp_path_factory, ws, data):
+    _, cases = data.draw(_partial_cases(ws))
     report = str(tmp_path_factory.mktemp("partial") / "outcomes.json")
     run_on_ranks(ws, _partial_batch, cases=cases, report=report, timeout_s=BATCH_TIMEOUT_S)
-    _tally("partial: Partial(sum/avg/max/min) -> full_tensor/redistribute", report, len(cases))
+    _tally("partial: Partial(sum/avg/max/min) -> full_tensor/redistribute", report, len(cases), ws)
 
 
 def test_partial_without_a_reduce_op_is_a_clear_error():
@@ -387,8 +388,7 @@ def _one_op(pl):
 
 
 @st.composite
-def _op_cases(draw):
-    ws = draw(st.sampled_from(P.WORLD_SIZES))
+def _op_cases(draw, ws):
     cases = []
     for _ in range(draw(st.integers(1, P.BATCH))):
         mesh = draw(st.sampled_from(P.mesh_shapes(ws)))
@@ -401,13 +401,14 @@ def _op_batch(cases, report):
 
 
 @pytest.mark.timeout(P.TIMEOUT_S)
-@given(_op_cases())
-@P.examples(40)
-def test_op_rules_match_the_plain_tensor_op(tmp_path_factory, example):
-    ws, cases = example
+@pytest.mark.parametrize("ws", P.WORLD_SIZES)
+@given(data=st.data())
+@P.examples(20)
+def test_op_rules_match_the_plain_tensor_op(tmp_path_factory, ws, data):
+    _, cases = data.draw(_op_cases(ws))
     report = str(tmp_path_factory.mktemp("ops") / "outcomes.json")
     run_on_ranks(ws, _op_batch, cases=cases, report=report, timeout_s=BATCH_TIMEOUT_S)
-    _tally("ops: pointwise/reduction/matmul/views", report, len(cases))
+    _tally("ops: pointwise/reduction/matmul/views", report, len(cases), ws)
 
 
 # ------------------------------------------------------------------------- checkpoints
@@ -459,8 +460,7 @@ def _ckpt_load(entries, path, report):
 
 
 @st.composite
-def _ckpt_example(draw):
-    ws_a = draw(st.sampled_from(P.WORLD_SIZES))
+def _ckpt_example(draw, ws_a):
     ws_b = draw(st.sampled_from(P.WORLD_SIZES))
     a, b = [], []
     for _ in range(draw(st.integers(1, 4))):
@@ -473,15 +473,17 @@ def _ckpt_example(draw):
 
 
 @pytest.mark.timeout(P.TIMEOUT_S)
-@given(_ckpt_example())
-@P.examples(25)
-def test_checkpoint_save_under_one_layout_loads_under_another(tmp_path_factory, example):
-    ws_a, a, ws_b, b = example
+@pytest.mark.parametrize("ws_a", P.WORLD_SIZES)
+@given(data=st.data())
+@P.examples(10)
+def test_checkpoint_save_under_one_layout_loads_under_another(tmp_path_factory, ws_a, data):
+    _, a, ws_b, b = data.draw(_ckpt_example(ws_a))
     root = tmp_path_factory.mktemp("ckpt")
     path, report = str(root / "ckpt"), str(root / "outcomes.json")
     prop = "checkpoint: save layout A -> load layout B"
     run_on_ranks(ws_a, _ckpt_save, entries=a, path=path, report=report, timeout_s=BATCH_TIMEOUT_S)
-    (outcome,) = _tally(prop, report, 1)
+    (outcome,) = _tally(prop, report, 1, ws_a)
+    P.count(prop, f"loaded at ws {ws_b}")
     P.count(prop, f"tensors {len(a)}")
     if outcome != "ok":
         return

@@ -123,7 +123,7 @@ def _fake_examples(draw):
 
 @pytest.mark.timeout(P.TIMEOUT_S)
 @given(_fake_examples())
-@P.examples(60)
+@P.examples(100, long=400)
 def test_local_shapes_at_any_world_size(example):
     ws, mesh, shape, src, dst, op_case, ranks = example
     P.count(PROP, "examples")
