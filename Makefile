@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 NPROC ?= 2
 TRAIN_SCRIPT ?= $(if $(wildcard examples/train_gpt.py),examples/train_gpt.py,examples/mesh_demo.py)
 
-.PHONY: test train train-2d lint bench soak clean
+.PHONY: test property train train-2d lint bench soak clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -x -q tests
+
+# The property-based tests with many more random examples (world sizes up to 8); make test
+# runs a small derandomized sample of the same properties.
+property: $(VENV)/.installed
+	HYPOTHESIS_PROFILE=long $(PY) -m pytest -q tests/test_properties_dtensor.py tests/test_properties_fake_pg.py
 
 train: $(VENV)/.installed
 	$(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) $(TRAIN_SCRIPT) $(ARGS)

@@ -367,7 +367,14 @@ class _Redistribute(torch.autograd.Function):
         ctx.backward_dtype = backward_dtype
         if forward_dtype is not None and forward_dtype != dt.dtype:
             dt = cast_dtensor(dt, forward_dtype)
-        return redistribute_dtensor(dt, placements, async_op=async_op)
+        out = redistribute_dtensor(dt, placements, async_op=async_op)
+        if out is dt:
+            # Nothing to move. A new wrapper of the same local tensor, as PyTorch's DTensor
+            # returns: handed back as itself, the input would be aliased by autograd through
+            # a view op, which runs a sharding rule (a zero-element tensor's view even came
+            # back Replicate, not the placements asked for).
+            out = DTensor(dt._local(), dt._spec, requires_grad=False)
+        return out
 
     @staticmethod
     def backward(ctx, grad):

@@ -1,4 +1,5 @@
 import logging
+import sys
 
 import pytest
 
@@ -21,6 +22,10 @@ def pytest_terminal_summary(terminalreporter):
             f"harness: {s['pool_starts']} worker pool start(s), "
             f"{s['pool_start_seconds']:.1f}s spent starting worlds"
         )
+    props = sys.modules.get("tests._properties")  # examples run per property, if any ran
+    if props is not None and props.STATS:
+        for line in props.summary_lines():
+            terminalreporter.write_line(line)
 
 
 def pytest_addoption(parser):

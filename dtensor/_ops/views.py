@@ -83,7 +83,11 @@ def squeeze_rule(schema):
         dims = [dims] if isinstance(dims, int) else list(dims)
         dims = [d % max(spec.ndim, 1) for d in dims if spec.shape[d % max(spec.ndim, 1)] == 1]
     m = {d: d - sum(1 for s in dims if s < d) for d in range(spec.ndim) if d not in dims}
-    return _simple(schema, m, gather_dims=dims)
+    sharding = _simple(schema, m, gather_dims=dims)
+    # Squeeze locally exactly the dims of global size 1: a shard whose local size happens to
+    # be 1 (7 rows over 7 ranks, the last of 7 over 3) is not squeezed on its rank alone.
+    sharding.local_fn = lambda x, *args, **kwargs: aten.squeeze.dims(x, dims)
+    return sharding
 
 
 def _local_shape_fn(func, out_shape, out_placements, mesh, arg_index=1):
@@ -123,7 +127,19 @@ def reshape_groups(in_shape, out_shape):
     """
     ni, no = len(in_shape), len(out_shape)
     if 0 in in_shape or 0 in out_shape:
-        return [(list(range(ni)), list(range(no)))]
+        # No products to match: equal leading and trailing dims pair up one to one (a view
+        # to the same shape keeps every shard), the dims between form one group.
+        lead = 0
+        while lead < min(ni, no) and in_shape[lead] == out_shape[lead]:
+            lead += 1
+        trail = 0
+        while trail < min(ni, no) - lead and in_shape[ni - 1 - trail] == out_shape[no - 1 - trail]:
+            trail += 1
+        groups = [([d], [d]) for d in range(lead)]
+        if lead < ni - trail or lead < no - trail:
+            groups.append((list(range(lead, ni - trail)), list(range(lead, no - trail))))
+        groups += [([ni - trail + j], [no - trail + j]) for j in range(trail)]
+        return groups
     groups, i, o = [], 0, 0
     while i < ni or o < no:
         if i < ni and o < no and in_shape[i] == 1 and out_shape[o] == 1:
