@@ -70,10 +70,13 @@ def live_tensor_bytes(objects) -> int:
             continue
         try:
             s = o.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # a wrapper subclass without storage
+            ptr = s.data_ptr() if s.device.type == "cpu" else 0
+        except (RuntimeError, NotImplementedError):
+            # a wrapper subclass without storage, or one whose storage is invalid (e.g. a
+            # fake tensor an earlier test in this worker left behind)
             continue
-        if s.device.type == "cpu" and s.data_ptr():
-            seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
+        if ptr:
+            seen[ptr] = max(seen.get(ptr, 0), s.nbytes())
     return sum(seen.values())
 
 
