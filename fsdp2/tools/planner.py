@@ -1,0 +1,1105 @@
+"""Memory planner: per-rank peak memory, communication and step cost of a sharded layout,
+predicted from a model built on the meta device, without a training step.
+
+``profile_model(model)`` reads the model once: every parameter's shape and dtype, which
+``fully_shard`` group it falls in (one per transformer block, and the root), and what one
+forward saves for backward, block by block (a forward of the meta model: no memory, no
+data). ``estimate(profile, config)`` then predicts, for one :class:`PlanConfig` (mesh split,
+wrapping, ``reshard_after_forward``, mixed precision, activation checkpointing, offload,
+optimizer), the peak bytes of one rank by category and the collectives of one step;
+``rank_configs`` enumerates the layouts of a world size and orders the ones that fit a
+memory budget by predicted step time.
+
+[Note: the memory model] Bytes of rank 0 (the largest shards when they are uneven), at
+the steady state of training (the optimizer state exists, gradients were set to None by
+``zero_grad``). The categories are the ones of the memory tracker (``fsdp2.tools.memory``):
+
+* sharded parameters, sharded gradients and optimizer state: exact, from the shard sizes
+  ``fully_shard`` builds (``torch.chunk`` rows of dim 0 of the tensor-parallel local
+  tensor). AdamW keeps two tensors per parameter in its dtype plus a scalar step; SGD with
+  momentum one; plain SGD none. The step's temporaries: the single-tensor AdamW that runs
+  on CPU tensors makes two of the largest shard at once, the multi-tensor one (GPU) one of
+  every shard.
+* unsharded parameters in flight: the library's schedule (``fsdp2/_state.py``) gathers a
+  block in its pre-forward and prefetches the next one, so two blocks are unsharded at once
+  in forward and in backward (the block computing and the one prefetched), plus the root,
+  which keeps its parameters from forward through backward. With
+  ``reshard_after_forward=False`` every block keeps them until its backward.
+* unsharded gradients: the block in backward, and the blocks whose reduction is still in
+  flight (one on CPU, two on GPU: ``CommContext.max_pending``); the root's, from the start
+  of backward (head) or its end (embeddings), as the trace saw the modules run.
+* activations: what autograd saves, counted by a ``saved_tensors_hooks`` trace of the meta
+  model (parameters excluded, each storage once), scaled linearly with the micro-batch.
+  Attention is traced as the flash kernels save it (query, key, value, output and the
+  log-sum-exp, never the ``t x t`` matrix). With activation checkpointing a block keeps
+  only its input; its backward recomputes one block's activations. With tensor
+  parallelism of degree ``t`` (sequence parallel between blocks), a saved tensor that is
+  the input of a column-parallel module stays whole (it was all-gathered from sequence
+  shards) and every other one is ``1/t``. Backward needs a working set on top: the
+  gradient of the block's input and output and its largest intermediate gradient, taken
+  as twice the block's largest saved tensor plus two block inputs (calibrated against the
+  tracker, ``benchmarks/plan_validation.py``); the loss's backward needs twice the logits.
+* communication buffers: the staged route (NCCL, small parameters on gloo) copies a
+  group's shards into a row and gathers all rows (``shard_size`` rows on NCCL, twice on
+  gloo: the all-to-all needs one copy per peer), and its reduction stages the gradient
+  rows; the direct route on gloo stages only the ``shard_size - 1`` rows a reduction
+  receives (and the reduce-dtype copy of gradients of another dtype).
+
+The peak is the largest of four moments: the end of forward, the start of backward (the
+loss's gradient), the last block's backward, and the optimizer step.
+
+Example:
+    >>> with torch.device("meta"):
+    ...     model = GPT(GPTConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32))
+    >>> profile = profile_model(model, seq_len=2048)
+    >>> est = estimate(profile, PlanConfig(world_size=64))
+    >>> est.peak_bytes / 2**30                                   # GiB on one rank
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import fnmatch
+import itertools
+import logging
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtensor.placement import chunk_sizes, padded_chunk_size
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Hardware",
+    "H100",
+    "CPU",
+    "PlanConfig",
+    "ModelProfile",
+    "GroupLayout",
+    "Estimate",
+    "profile_model",
+    "estimate",
+    "rank_configs",
+    "parse_bytes",
+]
+
+GiB = 1 << 30
+
+
+# --------------------------------------------------------------------------------- hardware
+@dataclass(frozen=True)
+class Hardware:
+    """What one device computes and moves, for the step-cost model.
+
+    Attributes:
+        name: shown in tables.
+        flops: dense peak FLOP/s of one device in the compute dtype.
+        efficiency: the fraction of ``flops`` a transformer step reaches (MFU).
+        intra_node_bw: bytes/s one device sends to peers in its node (bus bandwidth of a
+            ring collective).
+        inter_node_bw: bytes/s one device sends across nodes.
+        devices_per_node: devices that share the fast intra-node links.
+        memory: bytes of one device (the default budget), or None.
+        device: ``"cuda"`` or ``"cpu"``: which collective routes and how many reductions
+            in flight the memory model assumes.
+
+    Example:
+        >>> H100.flops / 1e12, H100.devices_per_node
+        (989.0, 8)
+        >>> replace(H100, inter_node_bw=25e9).inter_node_bw     # 200 Gb/s per GPU
+        25000000000.0
+    """
+
+    name: str
+    flops: float
+    efficiency: float
+    intra_node_bw: float
+    inter_node_bw: float
+    devices_per_node: int
+    memory: int | None = None
+    device: str = "cuda"
+
+
+#: H100 SXM: 989 TFLOP/s dense bf16 at 40% MFU, NVLink 4 (450 GB/s each way), one 400 Gb/s
+#: InfiniBand NIC per GPU (50 GB/s), 8 GPUs a node, 80 GB.
+H100 = Hardware("H100 SXM (NVLink 450 GB/s, IB 50 GB/s)", 989e12, 0.4, 450e9, 50e9, 8, 80 * 10**9)
+#: This kind of machine: gloo over loopback on a couple of shared cores (about 20 GFLOP/s a
+#: rank in fp32 and 2 GB/s between processes, measured by benchmarks/train_bench.py's step
+#: times; rough: the machine is shared).
+CPU = Hardware("CPU (gloo, loopback)", 20e9, 1.0, 2e9, 2e9, 64, None, device="cpu")
+
+
+# --------------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class PlanConfig:
+    """One layout of a training run over ``world_size`` ranks.
+
+    The mesh is ``(dp_replicate, dp_shard, tp)`` with ``dp_shard = world_size /
+    (dp_replicate * tp)`` (``fsdp2.parallelize_transformer``'s dim order: tensor
+    parallelism innermost).
+
+    Attributes:
+        world_size: ranks in all.
+        tp: tensor-parallel degree (1: none).
+        dp_replicate: HSDP replicas (1: plain FSDP).
+        blocks_per_group: transformer blocks per ``fully_shard`` call (1: one call per
+            block; 0: a single call on the root, no per-block wrapping).
+        reshard_after_forward: the blocks' ``reshard_after_forward`` (the root keeps its
+            parameters, as ``fully_shard``'s default ``None`` does).
+        activation_checkpointing: checkpoint every block.
+        param_dtype / reduce_dtype: ``MixedPrecisionPolicy``'s (None: the parameters').
+        offload: ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer state on
+            the host (not counted on the device; a CPU compute device ignores it).
+        optimizer: ``"adamw"``, ``"sgd"`` (momentum) or ``"sgd-nomomentum"``.
+        batch_size: sequences per data-parallel rank per step (``global / dp``).
+        seq_len: tokens per sequence (None: the profile's).
+
+    Example:
+        >>> cfg = PlanConfig(world_size=64, tp=8, dp_replicate=2, param_dtype=torch.bfloat16)
+        >>> cfg.dp_shard, cfg.dp
+        (4, 8)
+    """
+
+    world_size: int
+    tp: int = 1
+    dp_replicate: int = 1
+    blocks_per_group: int = 1
+    reshard_after_forward: bool = True
+    activation_checkpointing: bool = False
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    offload: bool = False
+    optimizer: str = "adamw"
+    batch_size: int = 1
+    seq_len: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "tp", "dp_replicate", "batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"PlanConfig: {name} must be a positive int, got {value!r}.")
+        if self.world_size % (self.tp * self.dp_replicate):
+            raise ValueError(
+                f"PlanConfig: world_size={self.world_size} is not divisible by tp * "
+                f"dp_replicate = {self.tp} * {self.dp_replicate}."
+            )
+        if self.blocks_per_group < 0:
+            raise ValueError(
+                f"PlanConfig: blocks_per_group must be >= 0, got {self.blocks_per_group}."
+            )
+        if self.optimizer not in _OPTIMIZER_STATES:
+            raise ValueError(
+                f"PlanConfig: optimizer must be one of {sorted(_OPTIMIZER_STATES)}, got "
+                f"{self.optimizer!r}."
+            )
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks one parameter is sharded over."""
+        return self.world_size // (self.tp * self.dp_replicate)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks (replicas times shards)."""
+        return self.world_size // self.tp
+
+    def describe(self) -> str:
+        """A short label, e.g. ``"hsdp 2x4 tp8 ac bf16"``.
+
+        Example:
+            >>> PlanConfig(world_size=8, tp=2).describe()
+            'fsdp 4 tp2'
+        """
+        parts = [
+            f"hsdp {self.dp_replicate}x{self.dp_shard}"
+            if self.dp_replicate > 1
+            else f"fsdp {self.dp_shard}"
+        ]
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}")
+        if self.blocks_per_group != 1:
+            parts.append(
+                "root-only" if self.blocks_per_group == 0 else f"{self.blocks_per_group}blk"
+            )
+        if not self.reshard_after_forward:
+            parts.append("keep-fwd")
+        if self.activation_checkpointing:
+            parts.append("ac")
+        if self.param_dtype is not None:
+            parts.append(str(self.param_dtype).replace("torch.", "").replace("float", "fp"))
+        if self.offload:
+            parts.append("offload")
+        return " ".join(parts)
+
+
+_OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "sgd-nomomentum": 0}
+
+
+# --------------------------------------------------------------------------------- profile
+@dataclass
+class ParamInfo:
+    """One parameter: its name, global shape, dtype, whether it trains, its block (None:
+    the root's), the dim tensor parallelism shards (None: replicated or no plan), and when
+    its module first runs relative to the blocks (``"pre"``, ``"block"``, ``"post"``)."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    block: int | None
+    tp_dim: int | None = None
+    phase: str = "post"
+
+
+@dataclass
+class SavedTensor:
+    """One storage autograd saved in the traced forward (batch of one)."""
+
+    nbytes: int
+    region: int | None  # block index, or None outside the blocks
+    whole_under_tp: bool  # the input of a column-parallel module
+    phase: str  # "pre", "block", "post"
+
+
+@dataclass
+class ModelProfile:
+    """What the planner reads from a model once (``profile_model``).
+
+    Example:
+        >>> profile = profile_model(model, seq_len=128)
+        >>> profile.n_blocks, profile.num_params
+    """
+
+    params: list[ParamInfo]
+    n_blocks: int
+    seq_len: int
+    hidden: int
+    n_layers: int
+    saved: dict  # compute dtype -> list[SavedTensor] (batch 1, seq_len)
+    block_inputs: dict  # compute dtype -> bytes of one block's input (batch 1)
+    model: nn.Module = field(repr=False)
+    blocks: list = field(repr=False)
+    forward_fn: object = field(repr=False, default=None)
+    tp_plan: dict | None = field(repr=False, default=None)
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of the model (tied ones once)."""
+        return sum(math.prod(p.shape) for p in self.params)
+
+    def saved_for(self, dtype: torch.dtype) -> list[SavedTensor]:
+        """The activation trace in compute dtype ``dtype`` (traced on first use)."""
+        if dtype not in self.saved:
+            self.saved[dtype], self.block_inputs[dtype] = _trace_activations(
+                self.model, self.blocks, self.seq_len, dtype, self.forward_fn, self.tp_plan
+            )
+        return self.saved[dtype]
+
+
+def profile_model(
+    model: nn.Module,
+    *,
+    seq_len: int | None = None,
+    blocks=None,
+    tp_plan: dict | None = None,
+    forward_fn=None,
+) -> ModelProfile:
+    """Read ``model`` (best built under ``torch.device("meta")``) for the planner.
+
+    Args:
+        model: the model, unsharded. On meta nothing is allocated; a model with real
+            parameters is copied to meta for the activation trace.
+        seq_len: tokens per sequence (default: ``cfg.max_seq_len`` /
+            ``config.max_position_embeddings`` capped at 4096, else 2048).
+        blocks: the transformer blocks (default ``model.blocks`` / ``model.layers`` /
+            ``model.model.layers``), each one ``fully_shard`` group.
+        tp_plan: a ``parallelize_module`` plan, for layouts with ``tp > 1`` (the styles'
+            class names decide: ``ColwiseParallel`` shards a Linear's weight and bias on
+            dim 0 and an Embedding's on dim 1, ``RowwiseParallel`` a Linear's weight on
+            dim 1 and an Embedding's on dim 0).
+        forward_fn: ``forward_fn(model, idx) -> loss`` for the activation trace (default:
+            cross-entropy of the logits in fp32, as ``examples.gpt.gpt_loss``).
+
+    Raises:
+        ValueError: no blocks found, or a model without parameters.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = GPT(GPTConfig(dim=512, n_layers=8, n_heads=8))
+        >>> profile_model(model, seq_len=256).n_blocks
+        8
+    """
+    blocks = _find_blocks(model, blocks)
+    if seq_len is None:
+        seq_len = _default_seq_len(model)
+    meta = model
+    if not _on_meta(model):
+        meta, blocks = _copy_with_blocks(model, blocks)
+        meta = meta.to("meta")
+    block_of = {}
+    for i, b in enumerate(blocks):
+        for p in b.parameters():
+            block_of.setdefault(id(p), i)
+    tp_dims = _tp_dims(meta, tp_plan)
+    phases = _param_phases(meta, blocks, seq_len, forward_fn)
+    params, seen = [], set()
+    for name, p in meta.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        params.append(
+            ParamInfo(
+                fqn=name,
+                shape=tuple(p.shape),
+                dtype=p.dtype,
+                requires_grad=p.requires_grad,
+                block=block_of.get(id(p)),
+                tp_dim=tp_dims.get(id(p)),
+                phase=phases.get(id(p), "post"),
+            )
+        )
+    if not params:
+        raise ValueError("profile_model: the model has no parameters.")
+    hidden, n_layers = _hidden_and_layers(meta, blocks)
+    return ModelProfile(
+        params=params,
+        n_blocks=len(blocks),
+        seq_len=seq_len,
+        hidden=hidden,
+        n_layers=n_layers,
+        saved={},
+        block_inputs={},
+        model=meta,
+        blocks=blocks,
+        forward_fn=forward_fn,
+        tp_plan=tp_plan,
+    )
+
+
+def _find_blocks(model: nn.Module, blocks) -> list[nn.Module]:
+    if blocks is not None:
+        return list(blocks)
+    for path in ("blocks", "layers", "model.layers", "transformer.h"):
+        obj = model
+        for attr in path.split("."):
+            obj = getattr(obj, attr, None)
+        if isinstance(obj, (nn.ModuleList, nn.Sequential)):
+            return list(obj)
+    raise ValueError(
+        "profile_model: found no transformer blocks (model.blocks, model.layers, "
+        "model.model.layers or model.transformer.h); pass blocks=[...]."
+    )
+
+
+def _config_of(model):
+    return getattr(model, "cfg", None) or getattr(model, "config", None)
+
+
+def _default_seq_len(model) -> int:
+    cfg = _config_of(model)
+    for name in ("max_seq_len", "max_position_embeddings", "n_positions"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and value > 0:
+            return min(value, 4096)
+    return 2048
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return all(p.device.type == "meta" for p in model.parameters())
+
+
+def _copy_with_blocks(model: nn.Module, blocks, dtype=None):
+    """A deep copy of ``model`` (cast to ``dtype``) and its blocks, found by position."""
+    positions = {id(m): i for i, m in enumerate(model.modules())}
+    where = [positions[id(b)] for b in blocks]
+    clone = copy.deepcopy(model)
+    if dtype is not None:
+        clone = clone.to(dtype)
+    mods = list(clone.modules())
+    return clone, [mods[i] for i in where]
+
+
+def _hidden_and_layers(model, blocks) -> tuple[int, int]:
+    cfg = _config_of(model)
+    hidden = 0
+    for name in ("dim", "hidden_size", "n_embd", "d_model"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int):
+            hidden = value
+            break
+    if not hidden:  # the widest 2-D weight's smaller side
+        shapes = [p.shape for p in blocks[0].parameters() if p.ndim == 2]
+        hidden = min(max(shapes, key=math.prod)) if shapes else 0
+    return hidden, len(blocks)
+
+
+# --------------------------------------------------------------------------------- TP layout
+def _style_name(style) -> str:
+    return type(style).__name__
+
+
+def _matches(pattern: str, name: str) -> bool:
+    pa, na = pattern.split("."), name.split(".")
+    return len(pa) == len(na) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(pa, na))
+
+
+def _planned(model: nn.Module, tp_plan: dict | None):
+    """``(module name, module, style class name)`` of every module ``tp_plan`` names."""
+    if not tp_plan:
+        return []
+    out = []
+    for name, m in model.named_modules():
+        for pattern, style in tp_plan.items():
+            if name and _matches(pattern, name):
+                out.append((name, m, _style_name(style)))
+    return out
+
+
+def _tp_dims(model: nn.Module, tp_plan: dict | None) -> dict[int, int]:
+    """``{id(param): dim}`` tensor parallelism shards (PyTorch's Colwise/Rowwise rules)."""
+    dims: dict[int, int] = {}
+    for _name, m, style in _planned(model, tp_plan):
+        emb = isinstance(m, nn.Embedding)
+        for attr, p in m._parameters.items():
+            if p is None:
+                continue
+            if style == "ColwiseParallel":
+                dims[id(p)] = 1 if emb else 0
+            elif style == "RowwiseParallel" and (emb or attr == "weight"):
+                dims[id(p)] = 0 if emb else 1
+    return dims
+
+
+# --------------------------------------------------------------------------------- tracing
+def _default_forward(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    out = model(idx)
+    logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+    if logits is None:
+        logits = out[0]
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), idx.reshape(-1))
+
+
+def _vocab_size(model) -> int:
+    cfg = _config_of(model)
+    value = getattr(cfg, "vocab_size", None)
+    if isinstance(value, int):
+        return value
+    emb = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    return emb[0].num_embeddings if emb else 2
+
+
+@contextlib.contextmanager
+def _flash_attention():
+    """Trace ``F.scaled_dot_product_attention`` as the fused kernels save it (on meta the
+    math path would save the ``t x t`` attention matrix, which no real run keeps)."""
+    original = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        if q.device.type != "meta" or attn_mask is not None or kw.get("enable_gqa"):
+            return original(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, **kw)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, scale=scale
+        )[0]
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _param_phases(model, blocks, seq_len: int, forward_fn) -> dict[int, str]:
+    """When each parameter's module first runs: before the blocks, in them, or after."""
+    # cheap: a forward of the meta model at batch 1, in its own dtype, no autograd
+    phases: dict[int, str] = {}
+    state = {"phase": "pre"}
+    block_ids = {id(b) for b in blocks}
+    handles = []
+
+    def pre(module, args):
+        if id(module) in block_ids:
+            state["phase"] = "block"
+        for p in module.parameters(recurse=False):
+            phases.setdefault(id(p), state["phase"])
+
+    def post(module, args, out):
+        if id(module) in block_ids:
+            state["phase"] = "post"
+
+    for m in model.modules():
+        handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    try:
+        idx = torch.zeros((1, seq_len), dtype=torch.long, device="meta")
+        with torch.no_grad(), _flash_attention():
+            (forward_fn or _default_forward)(model, idx)
+    finally:
+        for h in handles:
+            h.remove()
+    return phases
+
+
+def _trace_activations(model, blocks, seq_len, dtype, forward_fn, tp_plan):
+    """Every storage autograd saves in one forward at batch 1 in ``dtype``, tagged with
+    the block (or none) it was saved in; and the bytes of one block's input."""
+    if any(p.dtype != dtype for p in model.parameters() if p.is_floating_point()):
+        model, blocks = _copy_with_blocks(model, blocks, dtype)
+    param_keys = {_storage_key(p) for p in model.parameters()}
+    col_inputs: set[int] = set()
+    region = {"block": None, "phase": "pre"}
+    block_index = {id(b): i for i, b in enumerate(blocks)}
+    saved: dict[int, SavedTensor] = {}
+    block_input = [0]
+    handles = []
+
+    def block_pre(module, args):
+        region["block"] = block_index[id(module)]
+        region["phase"] = "block"
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if x is not None:
+            block_input[0] = x.numel() * x.element_size()
+
+    def block_post(module, args, out):
+        region["block"] = None
+        region["phase"] = "post"
+
+    def col_pre(module, args):
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                col_inputs.add(_storage_key(a))
+
+    for b in blocks:
+        handles += [b.register_forward_pre_hook(block_pre), b.register_forward_hook(block_post)]
+    for _name, m, style in _planned(model, tp_plan):
+        if style == "ColwiseParallel":
+            handles.append(m.register_forward_pre_hook(col_pre))
+
+    def pack(t: torch.Tensor):
+        key = _storage_key(t)
+        if key not in param_keys and key not in saved:
+            saved[key] = SavedTensor(
+                t.untyped_storage().nbytes(), region["block"], False, region["phase"]
+            )
+        return t
+
+    try:
+        idx = torch.zeros((1, seq_len), dtype=torch.long, device="meta")
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _flash_attention():
+            (forward_fn or _default_forward)(model, idx)
+    finally:
+        for h in handles:
+            h.remove()
+    for key, s in saved.items():
+        s.whole_under_tp = key in col_inputs
+    return list(saved.values()), block_input[0]
+
+
+# --------------------------------------------------------------------------------- layout
+@dataclass
+class GroupLayout:
+    """One ``fully_shard`` group on rank 0: its parameters' shard elements, the padded
+    elements of one rank's row of its collectives, and the unsharded (padded) elements.
+
+    Example:
+        >>> [g.shard_numel for g in estimate(profile, cfg).groups][:2]
+    """
+
+    name: str
+    params: list[ParamInfo]
+    shard_numel: int  # rank 0's elements at rest
+    row_numel: int  # padded elements one rank contributes to the group's all-gather
+    unsharded_numel: int  # padded elements of the gathered parameters (shard_size * row)
+    largest_shard_numel: int
+    itemsize: int  # of the parameters at rest
+
+
+def group_layouts(profile: ModelProfile, cfg: PlanConfig) -> list[GroupLayout]:
+    """The ``fully_shard`` groups of ``cfg`` (root first, then the blocks in order) with
+    rank 0's shard sizes, as ``fully_shard`` builds them (``torch.chunk`` rows of dim 0
+    of the tensor-parallel local tensor; ``tp`` chunks the tensor-parallel dim first).
+
+    Example:
+        >>> [g.name for g in group_layouts(profile, PlanConfig(world_size=8))][:2]
+        ['root', 'blocks[0]']
+    """
+    k = cfg.blocks_per_group
+    members: dict[str, list[ParamInfo]] = {"root": []}
+    for p in profile.params:
+        if p.block is None or k == 0:
+            members["root"].append(p)
+        else:
+            lo = p.block // k * k
+            hi = min(lo + k, profile.n_blocks) - 1
+            name = f"blocks[{lo}]" if hi == lo else f"blocks[{lo}-{hi}]"
+            members.setdefault(name, []).append(p)
+    out = []
+    for name, params in members.items():
+        if not params:
+            continue
+        shard = row = largest = 0
+        for p in params:
+            local = list(p.shape)
+            if cfg.tp > 1 and p.tp_dim is not None:
+                local[p.tp_dim] = chunk_sizes(local[p.tp_dim], cfg.tp)[0]
+            rows = local[0]
+            per_row = math.prod(local[1:])
+            mine = chunk_sizes(rows, cfg.dp_shard)[0] * per_row
+            shard += mine
+            largest = max(largest, mine)
+            row += padded_chunk_size(rows, cfg.dp_shard) * per_row
+        out.append(
+            GroupLayout(
+                name=name,
+                params=params,
+                shard_numel=shard,
+                row_numel=row,
+                unsharded_numel=row * cfg.dp_shard,
+                largest_shard_numel=largest,
+                itemsize=params[0].dtype.itemsize,
+            )
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------- estimate
+CATEGORIES = (
+    "sharded_params",
+    "unsharded_params",
+    "sharded_grads",
+    "unsharded_grads",
+    "optimizer",
+    "activations",
+    "comm_buffers",
+)
+
+
+@dataclass
+class Estimate:
+    """The planner's prediction for one configuration on one rank (rank 0).
+
+    Attributes:
+        config: the configuration.
+        peak_bytes: the predicted peak of live tensor bytes.
+        peak_phase: the moment of the peak (``"forward"``, ``"backward start"``,
+            ``"backward"``, ``"optimizer"``).
+        categories: bytes by category at the peak (``CATEGORIES``).
+        phases: ``{phase: {category: bytes}}`` for every moment considered.
+        groups: the ``fully_shard`` groups and their shard sizes.
+        collectives: ``{(kind, mesh dim): (count, bytes per rank)}`` for one step.
+        compute_s / comm_s / step_s: the step-cost model (seconds, see ``step_cost``).
+
+    Example:
+        >>> est = estimate(profile, PlanConfig(world_size=8))
+        >>> est.peak_phase, sorted(est.categories)[:2]
+    """
+
+    config: PlanConfig
+    peak_bytes: int
+    peak_phase: str
+    categories: dict
+    phases: dict
+    groups: list
+    collectives: dict
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    step_s: float = 0.0
+
+    @property
+    def peak_gib(self) -> float:
+        """``peak_bytes`` in GiB."""
+        return self.peak_bytes / GiB
+
+
+def estimate(
+    profile: ModelProfile, cfg: PlanConfig, hardware: Hardware = H100, *, device: str | None = None
+) -> Estimate:
+    """Predict ``cfg``'s per-rank peak memory, collectives and step time.
+
+    Args:
+        profile: from ``profile_model``.
+        cfg: the layout.
+        hardware: bandwidths and FLOP/s for the step cost (``H100`` or ``CPU``).
+        device: ``"cuda"`` or ``"cpu"``: the collective routes and reductions in flight
+            (default: ``hardware.device``).
+
+    Raises:
+        ValueError: a tensor-parallel ``cfg`` for a profile without ``tp_plan``.
+
+    Example:
+        >>> est = estimate(profile, PlanConfig(world_size=64, param_dtype=torch.bfloat16))
+        >>> f"{est.peak_gib:.1f} GiB at {est.peak_phase}"
+    """
+    device = device or hardware.device
+    if cfg.tp > 1 and not profile.tp_plan:
+        raise ValueError(
+            f"estimate: tp={cfg.tp} needs the profile's tp_plan (profile_model(..., "
+            "tp_plan=...)), which says which parameters tensor parallelism shards."
+        )
+    groups = group_layouts(profile, cfg)
+    mem = _memory(profile, cfg, groups, device)
+    peak_phase = max(mem, key=lambda ph: sum(mem[ph].values()))
+    est = Estimate(
+        config=cfg,
+        peak_bytes=int(sum(mem[peak_phase].values())),
+        peak_phase=peak_phase,
+        categories=dict(mem[peak_phase]),
+        phases=mem,
+        groups=groups,
+        collectives=collectives(profile, cfg, groups),
+    )
+    est.compute_s, est.comm_s, est.step_s = step_cost(profile, cfg, est, hardware)
+    return est
+
+
+def _memory(profile: ModelProfile, cfg: PlanConfig, groups, device: str) -> dict:
+    """``{phase: {category: bytes}}`` ([Note: the memory model])."""
+    b = cfg.batch_size
+    compute = cfg.param_dtype or groups[0].params[0].dtype
+    reduce_dtype = cfg.reduce_dtype or compute
+    c_item, r_item = compute.itemsize, reduce_dtype.itemsize
+    trivial = cfg.dp == 1 and cfg.param_dtype in (None, groups[0].params[0].dtype)
+    offloaded = cfg.offload and device != "cpu"
+    gloo = device == "cpu"
+    pending = 1 if gloo else 2
+
+    root = groups[0] if groups[0].name == "root" else None
+    blocks = [g for g in groups if g.name != "root"]
+    state = sum(g.shard_numel * g.itemsize for g in groups)
+    trainable = sum(
+        g.shard_numel * g.itemsize for g in groups if any(p.requires_grad for p in g.params)
+    )
+    n_params = len(profile.params)
+    opt = 0 if offloaded else _OPTIMIZER_STATES[cfg.optimizer] * trainable
+    if cfg.optimizer == "adamw" and not offloaded:
+        opt += 4 * n_params  # the step counters (0-d float32 tensors)
+    sharded = 0 if offloaded else state
+    sharded_grads = 0 if offloaded else trainable
+    if gloo or device == "cpu":
+        largest = max(g.largest_shard_numel * g.itemsize for g in groups)
+        opt_temp = 2 * largest
+    else:
+        opt_temp = trainable
+    if offloaded:
+        opt_temp = 0
+
+    def unsharded(g) -> int:
+        return 0 if trivial else g.unsharded_numel * c_item
+
+    def grads_of(g) -> int:  # unsharded gradients (the trivial case computes into .grad)
+        return g.unsharded_numel * c_item
+
+    # --- activations (batch b), by region
+    saved = profile.saved_for(compute)
+    tp = cfg.tp
+
+    def act(s: SavedTensor) -> float:
+        return s.nbytes * b * (1.0 if s.whole_under_tp or tp == 1 else 1.0 / tp)
+
+    per_block = [0.0] * profile.n_blocks
+    biggest = [0.0] * profile.n_blocks
+    pre = post = post_big = 0.0
+    for s in saved:
+        a = act(s)
+        if s.region is not None:
+            per_block[s.region] += a
+            biggest[s.region] = max(biggest[s.region], a)
+        elif s.phase == "pre":
+            pre += a
+        else:
+            post += a
+            post_big = max(post_big, a)
+    block_in = profile.block_inputs[compute] * b / tp  # sequence-sharded between blocks
+    kept = [block_in] * profile.n_blocks if cfg.activation_checkpointing else per_block
+    last = profile.n_blocks - 1
+    workspace = 2 * max(biggest, default=0) + 2 * block_in
+    recompute = per_block[last] if cfg.activation_checkpointing else 0.0
+
+    # --- communication buffers of one group (largest block group, else the root)
+    ref = max(blocks, key=lambda g: g.unsharded_numel) if blocks else root
+
+    def comm_gather(g) -> int:
+        if trivial or g is None:
+            return 0
+        direct = gloo and g.unsharded_numel * c_item >= (1 << 20) * len(g.params)
+        if direct:
+            return 0
+        copies = cfg.dp_shard if gloo else 1
+        return (copies + cfg.dp_shard) * g.row_numel * c_item
+
+    def comm_reduce(g) -> int:
+        if trivial or g is None:
+            return 0
+        direct = gloo and g.unsharded_numel * r_item >= (1 << 20) * len(g.params)
+        cast = g.unsharded_numel * r_item if r_item != c_item else 0
+        if direct:
+            return (cfg.dp_shard - 1) * g.row_numel * r_item + cast
+        return 2 * g.unsharded_numel * r_item + cast
+
+    # --- unsharded parameters in flight
+    root_u = unsharded(root) if root else 0
+    nb = len(blocks)
+    if not blocks:
+        bwd_blocks = 0
+    elif cfg.reshard_after_forward:
+        bwd_blocks = sum(unsharded(g) for g in blocks[-2:])
+    else:
+        bwd_blocks = sum(unsharded(g) for g in blocks)
+    end_fwd_blocks = 0 if cfg.reshard_after_forward else sum(unsharded(g) for g in blocks)
+
+    # root gradients: those of modules after the blocks exist from the start of backward
+    root_post_grads = 0
+    if root is not None:
+        post_share = sum(
+            math.prod(p.shape) for p in root.params if p.phase == "post" and p.requires_grad
+        )
+        total = sum(math.prod(p.shape) for p in root.params) or 1
+        root_post_grads = int(grads_of(root) * post_share / total)
+    if trivial:
+        # gradients land in .grad directly, sharded = unsharded, accumulated as they come
+        pass
+
+    last_group = blocks[-1] if blocks else root
+    phases = {}
+    common = {
+        "sharded_params": sharded,
+        "optimizer": opt,
+    }
+    phases["forward"] = {
+        **common,
+        "unsharded_params": root_u + end_fwd_blocks,
+        "sharded_grads": 0,
+        "unsharded_grads": 0,
+        "activations": pre + sum(kept) + post,
+        "comm_buffers": 0,
+    }
+    phases["backward start"] = {
+        **common,
+        "unsharded_params": root_u + bwd_blocks,
+        "sharded_grads": 0,
+        "unsharded_grads": root_post_grads,
+        "activations": pre + sum(kept) + post + 2 * post_big,
+        "comm_buffers": comm_gather(ref),
+    }
+    in_flight_grads = sum(grads_of(g) for g in blocks[-(pending + 1) :]) if nb else 0
+    if root is not None and nb == 0:
+        in_flight_grads = grads_of(root)
+    reduced = 0
+    phases["backward"] = {
+        **common,
+        "unsharded_params": root_u + bwd_blocks,
+        "sharded_grads": reduced,
+        "unsharded_grads": root_post_grads + (in_flight_grads if nb else 0),
+        "activations": pre + sum(kept) + recompute + workspace,
+        "comm_buffers": comm_gather(ref) + pending * comm_reduce(last_group),
+    }
+    if trivial:
+        phases["backward"]["unsharded_grads"] = 0
+        phases["backward"]["sharded_grads"] = root_post_grads + grads_of(last_group)
+        phases["backward start"]["sharded_grads"] = root_post_grads
+        phases["backward start"]["unsharded_grads"] = 0
+    phases["optimizer"] = {
+        **common,
+        "unsharded_params": 0,
+        "sharded_grads": sharded_grads,
+        "unsharded_grads": 0,
+        "activations": 0,
+        "comm_buffers": 0,
+        "optimizer": opt + opt_temp,
+    }
+    return {ph: {c: int(v.get(c, 0)) for c in CATEGORIES} for ph, v in phases.items()}
+
+
+# --------------------------------------------------------------------------------- collectives
+def collectives(profile: ModelProfile, cfg: PlanConfig, groups=None) -> dict:
+    """``{(kind, mesh dim name): (count, bytes per rank)}`` of FSDP's collectives in one
+    forward and backward of ``cfg`` (bytes as ``CommDebugMode`` records them: what one
+    rank contributes). Tensor parallelism's are left to ``comm_model``.
+
+    Example:
+        >>> collectives(profile, PlanConfig(world_size=8))[("all_gather", "dp_shard")]
+    """
+    groups = groups or group_layouts(profile, cfg)
+    dtype0 = groups[0].params[0].dtype
+    c_item = (cfg.param_dtype or dtype0).itemsize
+    r_item = (cfg.reduce_dtype or cfg.param_dtype or dtype0).itemsize
+    out: dict[tuple[str, str], list[int]] = {}
+
+    def add(kind: str, dim: str, count: int, nbytes: int) -> None:
+        entry = out.setdefault((kind, dim), [0, 0])
+        entry[0] += count
+        entry[1] += count * nbytes
+
+    if cfg.dp == 1 and cfg.param_dtype in (None, dtype0):
+        return {}  # one data-parallel rank, no cast: the shard is the parameter
+    for g in groups:
+        is_root = g.name == "root"
+        gathers = 2 if (cfg.reshard_after_forward and not is_root) else 1
+        add("all_gather", "dp_shard", gathers, g.row_numel * c_item)
+        if any(p.requires_grad for p in g.params):
+            width = g.row_numel + len(g.params)  # values, then one flag per parameter
+            add("reduce_scatter", "dp_shard", 1, cfg.dp_shard * width * r_item)
+            if cfg.dp_replicate > 1:
+                add("all_reduce", "dp_replicate", 1, width * r_item)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+# --------------------------------------------------------------------------------- cost
+def step_cost(
+    profile: ModelProfile, cfg: PlanConfig, est: Estimate, hw: Hardware
+) -> tuple[float, float, float]:
+    """``(compute, communication, step)`` seconds of one step on ``hw``.
+
+    Compute: ``6 N T + 12 L d s T`` FLOPs for ``T`` tokens per data-parallel rank (``N``
+    parameters, ``L`` layers, width ``d``, sequence ``s``), ``2 N T`` more with activation
+    checkpointing (one more forward), split over ``tp`` ranks, at ``hw.flops *
+    hw.efficiency``. Communication: ring collectives move ``(n - 1) / n`` of the gathered
+    size per rank, at the intra-node bandwidth while the group fits in a node (the mesh
+    puts ``tp`` innermost, then ``dp_shard``, then ``dp_replicate``), else the inter-node.
+    FSDP's gathers and reductions overlap compute; tensor parallelism's (two all-gathers
+    and two reduce-scatters of the block's activations per forward, as many in backward,
+    again in a recomputed forward) do not. Step = ``max(compute, fsdp) + tp +`` the
+    first gather, which nothing hides.
+
+    Example:
+        >>> compute, comm, step = step_cost(profile, cfg, estimate(profile, cfg), H100)
+    """
+    tokens = cfg.batch_size * profile.seq_len
+    n = profile.num_params
+    flops = 6 * n * tokens + 12 * profile.n_layers * profile.hidden * profile.seq_len * tokens
+    if cfg.activation_checkpointing:
+        flops += 2 * n * tokens
+    compute = flops / cfg.tp / (hw.flops * hw.efficiency)
+
+    def bw(span: int) -> float:
+        return hw.intra_node_bw if span <= hw.devices_per_node else hw.inter_node_bw
+
+    shard_span = cfg.tp * cfg.dp_shard
+    fsdp = 0.0
+    first = 0.0
+    for (kind, dim), (count, nbytes) in est.collectives.items():
+        if dim == "dp_shard":
+            size = cfg.dp_shard
+            moved = nbytes * (size - 1) if kind == "all_gather" else nbytes * (size - 1) / size
+            fsdp += moved / bw(shard_span)
+            if kind == "all_gather" and count:
+                first = max(first, moved / count / bw(shard_span))
+        elif dim == "dp_replicate":
+            size = cfg.dp_replicate
+            fsdp += 2 * nbytes * (size - 1) / size / bw(cfg.world_size)
+    tp_s = 0.0
+    if cfg.tp > 1:
+        act = tokens * profile.hidden * (cfg.param_dtype or torch.float32).itemsize
+        passes = 3 if cfg.activation_checkpointing else 2
+        per_block = 4 * act * (cfg.tp - 1) / cfg.tp
+        tp_s = passes * per_block * profile.n_layers / bw(cfg.tp)
+    return compute, fsdp + tp_s, max(compute, fsdp) + tp_s + first
+
+
+# --------------------------------------------------------------------------------- ranking
+def rank_configs(
+    profile: ModelProfile,
+    world_size: int,
+    budget_bytes: int | None = None,
+    *,
+    hardware: Hardware = H100,
+    global_batch: int | None = None,
+    tp_degrees=(1, 2, 4, 8),
+    replicate_degrees=None,
+    blocks_per_group=(1, 2, 0),
+    reshard_after_forward=(True, False),
+    activation_checkpointing=(False, True),
+    base: PlanConfig | None = None,
+) -> tuple[list[Estimate], list[Estimate]]:
+    """Every layout of ``world_size`` ranks, estimated: ``(fits, too_big)``, those whose
+    peak fits ``budget_bytes`` first, each list ordered by predicted step time.
+
+    The global batch (sequences per step, default ``world_size``) is held fixed, so every
+    layout does the same work: a layout whose data-parallel size does not divide it is
+    skipped. ``tp`` stays within a node and divides the heads when the config names them.
+
+    Example:
+        >>> fits, too_big = rank_configs(profile, 64, 80 * 10**9, tp_degrees=(1, 8))
+        >>> fits[0].config.describe(), f"{fits[0].peak_gib:.1f} GiB"
+    """
+    budget = budget_bytes if budget_bytes is not None else hardware.memory
+    base = base or PlanConfig(world_size=world_size)
+    global_batch = global_batch or world_size
+    heads = _heads(profile.model)
+    out = []
+    for tp in tp_degrees:
+        if world_size % tp or tp > hardware.devices_per_node:
+            continue
+        if tp > 1 and (not profile.tp_plan or (heads and heads % tp)):
+            continue
+        dp = world_size // tp
+        if global_batch % dp:
+            continue
+        reps = replicate_degrees or [r for r in _divisors(dp) if r == 1 or dp // r >= 2]
+        for rep, k, raf, ac in itertools.product(
+            reps, blocks_per_group, reshard_after_forward, activation_checkpointing
+        ):
+            if dp % rep:
+                continue
+            if k == 0 and not raf:
+                continue  # root-only keeps its parameters anyway
+            cfg = replace(
+                base,
+                world_size=world_size,
+                tp=tp,
+                dp_replicate=rep,
+                blocks_per_group=k,
+                reshard_after_forward=raf,
+                activation_checkpointing=ac,
+                batch_size=global_batch // dp,
+            )
+            out.append(estimate(profile, cfg, hardware))
+    fits = [e for e in out if budget is None or e.peak_bytes <= budget]
+    rest = [e for e in out if not (budget is None or e.peak_bytes <= budget)]
+    return sorted(fits, key=lambda e: e.step_s), sorted(rest, key=lambda e: e.peak_bytes)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _heads(model) -> int | None:
+    cfg = _config_of(model)
+    for name in ("n_heads", "num_attention_heads", "num_heads"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GB"`` -> 80e9 bytes, ``"24GiB"`` -> 24 * 2**30 (also ``"1.5TB"``, ``"512"``).
+
+    Raises:
+        ValueError: not a number followed by an optional unit.
+
+    Example:
+        >>> parse_bytes("80GB"), parse_bytes("1GiB")
+        (80000000000, 1073741824)
+    """
+    s = str(text).strip().upper().replace(" ", "")
+    num = s.rstrip("KMGTIB")
+    unit = s[len(num) :]
+    try:
+        value = float(num)
+    except ValueError:
+        value = None
+    if value is None or unit not in _UNITS or value < 0:
+        raise ValueError(f"parse_bytes: expected a size such as '80GB' or '24GiB', got {text!r}.")
+    return int(value * _UNITS[unit])
