@@ -753,7 +753,7 @@ def estimate(
         categories=dict(mem[peak_phase]),
         phases=mem,
         groups=groups,
-        collectives=collectives(profile, cfg, groups),
+        collectives=collectives(profile, cfg, groups, device=device),
     )
     est.compute_s, est.comm_s, est.step_s = step_cost(profile, cfg, est, hardware)
     return est
@@ -918,37 +918,59 @@ def _memory(profile: ModelProfile, cfg: PlanConfig, groups, device: str) -> dict
 
 
 # --------------------------------------------------------------------------------- collectives
-def collectives(profile: ModelProfile, cfg: PlanConfig, groups=None) -> dict:
+def collectives(profile: ModelProfile, cfg: PlanConfig, groups=None, *, device: str = "cuda"):
     """``{(kind, mesh dim name): (count, bytes per rank)}`` of FSDP's collectives in one
-    forward and backward of ``cfg`` (bytes as ``CommDebugMode`` records them: what one
-    rank contributes). Tensor parallelism's are left to ``comm_model``.
+    forward and backward of ``cfg``, as ``CommDebugMode`` records them (bytes: what one
+    rank contributes). The counting is the communication ledger's analytic model
+    (``fsdp2.tools.comm_model``), fed the planner's groups; tensor parallelism's
+    collectives are not included.
 
     Example:
         >>> collectives(profile, PlanConfig(world_size=8))[("all_gather", "dp_shard")]
+        (9, 3411968)
     """
+    from fsdp2.tools.comm_model import expected_step_comms
+
+    specs = group_specs(profile, cfg, groups, device=device)
+    return expected_step_comms(specs).by_mesh_dim()
+
+
+def group_specs(profile: ModelProfile, cfg: PlanConfig, groups=None, *, device: str = "cuda"):
+    """The planner's groups as ``comm_model.GroupSpec`` (the tensor-parallel local shapes,
+    the mesh dims named as ``parallelize_transformer`` names them).
+
+    Example:
+        >>> [g.shard_size for g in group_specs(profile, PlanConfig(world_size=8))][:1]
+        [8]
+    """
+    from fsdp2.tools.comm_model import GroupSpec, ParamSpec
+
     groups = groups or group_layouts(profile, cfg)
-    dtype0 = groups[0].params[0].dtype
-    c_item = (cfg.param_dtype or dtype0).itemsize
-    r_item = (cfg.reduce_dtype or cfg.param_dtype or dtype0).itemsize
-    out: dict[tuple[str, str], list[int]] = {}
-
-    def add(kind: str, dim: str, count: int, nbytes: int) -> None:
-        entry = out.setdefault((kind, dim), [0, 0])
-        entry[0] += count
-        entry[1] += count * nbytes
-
-    if cfg.dp == 1 and cfg.param_dtype in (None, dtype0):
-        return {}  # one data-parallel rank, no cast: the shard is the parameter
+    specs = []
     for g in groups:
+        params = []
+        for p in g.params:
+            local = list(p.shape)
+            if cfg.tp > 1 and p.tp_dim is not None:
+                local[p.tp_dim] = chunk_sizes(local[p.tp_dim], cfg.tp)[0]
+            params.append(ParamSpec(tuple(local), p.dtype, p.requires_grad))
         is_root = g.name == "root"
-        gathers = 2 if (cfg.reshard_after_forward and not is_root) else 1
-        add("all_gather", "dp_shard", gathers, g.row_numel * c_item)
-        if any(p.requires_grad for p in g.params):
-            width = g.row_numel + len(g.params)  # values, then one flag per parameter
-            add("reduce_scatter", "dp_shard", 1, cfg.dp_shard * width * r_item)
-            if cfg.dp_replicate > 1:
-                add("all_reduce", "dp_replicate", 1, width * r_item)
-    return {k: tuple(v) for k, v in out.items()}
+        specs.append(
+            GroupSpec(
+                params,
+                shard_size=cfg.dp_shard,
+                mesh_dim="dp_shard",
+                replicate_size=cfg.dp_replicate,
+                replicate_mesh_dim="dp_replicate" if cfg.dp_replicate > 1 else None,
+                reshard_after_forward=cfg.reshard_after_forward and not is_root,
+                param_dtype=cfg.param_dtype,
+                reduce_dtype=cfg.reduce_dtype,
+                name=g.name,
+                device_type="cpu" if device == "cpu" else "cuda",
+                backend="gloo" if device == "cpu" else "nccl",
+            )
+        )
+    return specs
 
 
 # --------------------------------------------------------------------------------- cost
