@@ -231,13 +231,14 @@ class PlanConfig:
         if self.activation_checkpointing:
             parts.append("ac")
         if self.param_dtype is not None:
-            parts.append(str(self.param_dtype).replace("torch.", "").replace("float", "fp"))
+            parts.append(_DTYPE_NAMES.get(self.param_dtype, str(self.param_dtype)))
         if self.offload:
             parts.append("offload")
         return " ".join(parts)
 
 
 _OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "sgd-nomomentum": 0}
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 # --------------------------------------------------------------------------------- profile
@@ -670,13 +671,16 @@ def group_layouts(profile: ModelProfile, cfg: PlanConfig) -> list[GroupLayout]:
 
 
 # --------------------------------------------------------------------------------- estimate
+#: The memory tracker's categories (``fsdp2.tools.memory``), less its ``other`` (module
+#: buffers): ``temporaries`` are what backward and the optimizer step make and drop.
 CATEGORIES = (
     "sharded_params",
     "unsharded_params",
     "sharded_grads",
     "unsharded_grads",
-    "optimizer",
+    "optimizer_state",
     "activations",
+    "temporaries",
     "comm_buffers",
 )
 
@@ -761,44 +765,48 @@ def estimate(
 
 def _memory(profile: ModelProfile, cfg: PlanConfig, groups, device: str) -> dict:
     """``{phase: {category: bytes}}`` ([Note: the memory model])."""
-    b = cfg.batch_size
-    compute = cfg.param_dtype or groups[0].params[0].dtype
+    b, tp = cfg.batch_size, cfg.tp
+    own = groups[0].params[0].dtype
+    compute = cfg.param_dtype or own
     reduce_dtype = cfg.reduce_dtype or compute
     c_item, r_item = compute.itemsize, reduce_dtype.itemsize
-    trivial = cfg.dp == 1 and cfg.param_dtype in (None, groups[0].params[0].dtype)
+    trivial = cfg.dp == 1 and compute == own
     offloaded = cfg.offload and device != "cpu"
     gloo = device == "cpu"
-    pending = 1 if gloo else 2
+    pending = 1 if gloo else 2  # CommContext.max_pending
 
     root = groups[0] if groups[0].name == "root" else None
     blocks = [g for g in groups if g.name != "root"]
-    state = sum(g.shard_numel * g.itemsize for g in groups)
-    trainable = sum(
-        g.shard_numel * g.itemsize for g in groups if any(p.requires_grad for p in g.params)
-    )
-    n_params = len(profile.params)
-    opt = 0 if offloaded else _OPTIMIZER_STATES[cfg.optimizer] * trainable
-    if cfg.optimizer == "adamw" and not offloaded:
-        opt += 4 * n_params  # the step counters (0-d float32 tensors)
-    sharded = 0 if offloaded else state
-    sharded_grads = 0 if offloaded else trainable
-    if gloo or device == "cpu":
-        largest = max(g.largest_shard_numel * g.itemsize for g in groups)
-        opt_temp = 2 * largest
-    else:
+
+    def trains(g) -> bool:
+        return any(p.requires_grad for p in g.params)
+
+    # --- state at rest
+    sharded = sum(g.shard_numel * g.itemsize for g in groups)
+    trainable = sum(g.shard_numel * g.itemsize for g in groups if trains(g))
+    n_trained = sum(p.requires_grad for p in profile.params)
+    opt = _OPTIMIZER_STATES[cfg.optimizer] * trainable
+    if cfg.optimizer == "adamw":
+        opt += 4 * n_trained  # the step counters (0-d float32 tensors)
+    if device == "cpu":  # single-tensor AdamW: two temporaries of one shard at a time
+        opt_temp = 2 * max(g.largest_shard_numel * g.itemsize for g in groups)
+    else:  # multi-tensor AdamW: one temporary per shard
         opt_temp = trainable
-    if offloaded:
+    if cfg.optimizer != "adamw":
         opt_temp = 0
+    if offloaded:
+        sharded = trainable_dev = opt = opt_temp = 0
+    else:
+        trainable_dev = trainable
 
     def unsharded(g) -> int:
-        return 0 if trivial else g.unsharded_numel * c_item
+        return 0 if trivial or g is None else g.unsharded_numel * c_item
 
-    def grads_of(g) -> int:  # unsharded gradients (the trivial case computes into .grad)
-        return g.unsharded_numel * c_item
+    def ugrads(g) -> int:
+        return 0 if g is None or not trains(g) else g.unsharded_numel * c_item
 
     # --- activations (batch b), by region
     saved = profile.saved_for(compute)
-    tp = cfg.tp
 
     def act(s: SavedTensor) -> float:
         return s.nbytes * b * (1.0 if s.whole_under_tp or tp == 1 else 1.0 / tp)
@@ -817,104 +825,100 @@ def _memory(profile: ModelProfile, cfg: PlanConfig, groups, device: str) -> dict
             post += a
             post_big = max(post_big, a)
     block_in = profile.block_inputs[compute] * b / tp  # sequence-sharded between blocks
-    kept = [block_in] * profile.n_blocks if cfg.activation_checkpointing else per_block
+    ac = cfg.activation_checkpointing
+    kept = [block_in] * profile.n_blocks if ac else per_block
     last = profile.n_blocks - 1
+    # backward's working set in a block: the gradients of its input and output, and of its
+    # largest intermediate (twice); recomputed activations under checkpointing
     workspace = 2 * max(biggest, default=0) + 2 * block_in
-    recompute = per_block[last] if cfg.activation_checkpointing else 0.0
+    recompute = per_block[last] if ac and profile.n_blocks else 0.0
 
-    # --- communication buffers of one group (largest block group, else the root)
-    ref = max(blocks, key=lambda g: g.unsharded_numel) if blocks else root
+    # --- communication buffers
+    def direct(g, itemsize: int) -> bool:
+        return gloo and g.unsharded_numel * itemsize >= (1 << 20) * len(g.params)
 
-    def comm_gather(g) -> int:
-        if trivial or g is None:
+    def gather_buffers(g) -> int:
+        if trivial or g is None or direct(g, c_item):
             return 0
-        direct = gloo and g.unsharded_numel * c_item >= (1 << 20) * len(g.params)
-        if direct:
-            return 0
-        copies = cfg.dp_shard if gloo else 1
-        return (copies + cfg.dp_shard) * g.row_numel * c_item
+        rows_in = cfg.dp_shard if gloo else 1  # the all-to-all sends one copy per peer
+        return (rows_in + cfg.dp_shard) * g.row_numel * c_item
 
-    def comm_reduce(g) -> int:
-        if trivial or g is None:
+    def reduce_buffers(g) -> int:
+        """What one reduction in flight holds besides the unsharded gradients."""
+        if trivial or g is None or not trains(g):
             return 0
-        direct = gloo and g.unsharded_numel * r_item >= (1 << 20) * len(g.params)
-        cast = g.unsharded_numel * r_item if r_item != c_item else 0
-        if direct:
+        if direct(g, r_item):
+            cast = g.unsharded_numel * r_item if r_item != c_item else 0
             return (cfg.dp_shard - 1) * g.row_numel * r_item + cast
-        return 2 * g.unsharded_numel * r_item + cast
+        staged = g.unsharded_numel * r_item  # the gradient rows, cast on the way
+        return staged * (2 if gloo else 1) + g.row_numel * r_item
 
-    # --- unsharded parameters in flight
-    root_u = unsharded(root) if root else 0
-    nb = len(blocks)
+    def held_grads(g) -> int:
+        """Unsharded gradients a reduction in flight still holds (a cast copy replaces
+        them on the direct route; the staged route copied them into its rows)."""
+        if trivial or g is None or not trains(g):
+            return 0
+        if direct(g, r_item) and r_item == c_item:
+            return ugrads(g)
+        return 0
+
+    ref = max(blocks, key=lambda g: g.unsharded_numel) if blocks else root
+    root_u = unsharded(root)
     if not blocks:
-        bwd_blocks = 0
+        in_flight = 0
     elif cfg.reshard_after_forward:
-        bwd_blocks = sum(unsharded(g) for g in blocks[-2:])
+        in_flight = sum(unsharded(g) for g in blocks[-2:])
     else:
-        bwd_blocks = sum(unsharded(g) for g in blocks)
-    end_fwd_blocks = 0 if cfg.reshard_after_forward else sum(unsharded(g) for g in blocks)
+        in_flight = sum(unsharded(g) for g in blocks)
+    after_forward = 0 if cfg.reshard_after_forward else sum(unsharded(g) for g in blocks)
 
-    # root gradients: those of modules after the blocks exist from the start of backward
-    root_post_grads = 0
+    # the root's gradients: those of modules that ran after the blocks exist from the
+    # start of backward (the head), the others only at its end (the embeddings)
+    root_post = 0
     if root is not None:
-        post_share = sum(
-            math.prod(p.shape) for p in root.params if p.phase == "post" and p.requires_grad
-        )
+        share = sum(math.prod(p.shape) for p in root.params if p.phase == "post")
         total = sum(math.prod(p.shape) for p in root.params) or 1
-        root_post_grads = int(grads_of(root) * post_share / total)
-    if trivial:
-        # gradients land in .grad directly, sharded = unsharded, accumulated as they come
-        pass
+        root_post = int(ugrads(root) * share / total)
 
-    last_group = blocks[-1] if blocks else root
-    phases = {}
-    common = {
-        "sharded_params": sharded,
-        "optimizer": opt,
+    grads_key = "sharded_grads" if trivial else "unsharded_grads"
+    phases = {
+        "forward": {
+            "unsharded_params": root_u + after_forward,
+            "activations": pre + sum(kept) + post,
+        },
+        "backward start": {
+            "unsharded_params": root_u + in_flight,
+            grads_key: root_post,
+            "activations": pre + sum(kept) + post,
+            "temporaries": 2 * post_big,
+            "comm_buffers": gather_buffers(ref),
+        },
     }
-    phases["forward"] = {
-        **common,
-        "unsharded_params": root_u + end_fwd_blocks,
-        "sharded_grads": 0,
-        "unsharded_grads": 0,
-        "activations": pre + sum(kept) + post,
-        "comm_buffers": 0,
-    }
-    phases["backward start"] = {
-        **common,
-        "unsharded_params": root_u + bwd_blocks,
-        "sharded_grads": 0,
-        "unsharded_grads": root_post_grads,
-        "activations": pre + sum(kept) + post + 2 * post_big,
-        "comm_buffers": comm_gather(ref),
-    }
-    in_flight_grads = sum(grads_of(g) for g in blocks[-(pending + 1) :]) if nb else 0
-    if root is not None and nb == 0:
-        in_flight_grads = grads_of(root)
-    reduced = 0
-    phases["backward"] = {
-        **common,
-        "unsharded_params": root_u + bwd_blocks,
-        "sharded_grads": reduced,
-        "unsharded_grads": root_post_grads + (in_flight_grads if nb else 0),
-        "activations": pre + sum(kept) + recompute + workspace,
-        "comm_buffers": comm_gather(ref) + pending * comm_reduce(last_group),
-    }
-    if trivial:
-        phases["backward"]["unsharded_grads"] = 0
-        phases["backward"]["sharded_grads"] = root_post_grads + grads_of(last_group)
-        phases["backward start"]["sharded_grads"] = root_post_grads
-        phases["backward start"]["unsharded_grads"] = 0
+    if blocks:
+        computing = ugrads(blocks[-1])
+        queued = blocks[-1 - pending : -1]
+        phases["backward"] = {
+            "unsharded_params": root_u + in_flight,
+            grads_key: root_post + computing + sum(held_grads(g) for g in queued),
+            "activations": pre + sum(kept[:-1]) + (0 if ac else per_block[last]),
+            "temporaries": workspace + recompute,
+            "comm_buffers": gather_buffers(ref) + sum(reduce_buffers(g) for g in queued),
+        }
     phases["optimizer"] = {
-        **common,
-        "unsharded_params": 0,
-        "sharded_grads": sharded_grads,
-        "unsharded_grads": 0,
-        "activations": 0,
-        "comm_buffers": 0,
-        "optimizer": opt + opt_temp,
+        "sharded_grads": trainable_dev,
+        "optimizer_state": opt,
+        "temporaries": opt_temp,
     }
-    return {ph: {c: int(v.get(c, 0)) for c in CATEGORIES} for ph, v in phases.items()}
+    out = {}
+    for ph, cats in phases.items():
+        row = {c: 0 for c in CATEGORIES}
+        row["sharded_params"] = sharded
+        if ph != "optimizer":
+            row["optimizer_state"] = opt
+        for c, v in cats.items():
+            row[c] = int(v)
+        out[ph] = row
+    return out
 
 
 # --------------------------------------------------------------------------------- collectives
