@@ -23,7 +23,7 @@ from dtensor._api import (
     zeros,
 )
 from dtensor._clip import clip_grad_norm_, get_total_norm
-from dtensor._workspace import Workspace, collective_workspace
+from dtensor._workspace import Workspace, collective_workspace, live_workspaces
 from dtensor.placement import Partial, Placement, Replicate, Shard
 from dtensor.tensor import DTensor
 
@@ -53,5 +53,6 @@ __all__ = [
     "clip_grad_norm_",
     "get_total_norm",
     "collective_workspace",
+    "live_workspaces",
     "Workspace",
 ]

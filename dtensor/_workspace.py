@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 
 import torch
 
@@ -56,6 +57,7 @@ STALE_AFTER = 4096  # requests; a 12-block TP step on the benchmark GPT makes ab
 
 _KEY = "dtensor.workspace"
 _bypass = threading.local()
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every workspace still referenced
 
 
 class Workspace:
@@ -83,6 +85,20 @@ class Workspace:
         self._clock = 0
         self._lock = threading.Lock()  # any thread may redistribute over the mesh
         self.hits = self.kept = self.plain = self.evicted = 0
+        _LIVE.add(self)
+
+    @property
+    def storages(self) -> list[torch.UntypedStorage]:
+        """The storages of the buffers kept now, free or in use (for memory tools).
+
+        Example::
+
+            >>> ws = Workspace()
+            >>> a = ws.empty((256, 1024), torch.float32, "cpu")
+            >>> ws.storages[0] is a.untyped_storage()
+            True
+        """
+        return [b.storage for b in self._buffers]
 
     @property
     def held_bytes(self) -> int:
@@ -200,6 +216,19 @@ def collective_workspace(mesh, mesh_dim: int | str = 0) -> Workspace:
     if found is None:
         found = resources[key] = Workspace()
     return found
+
+
+def live_workspaces() -> list[Workspace]:
+    """Every collective workspace still alive in this process, of any mesh (for memory
+    tools that count the buffers they keep).
+
+    Example::
+
+        >>> ws = collective_workspace(mesh["tp"])
+        >>> any(w is ws for w in live_workspaces())
+        True
+    """
+    return list(_LIVE)
 
 
 def workspace_of(mesh, mesh_dim: int | str) -> Workspace | None:

@@ -27,6 +27,7 @@ primitives. ``dtensor.debug`` records every route by meaning: one ``all_gather``
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,8 @@ class BufferPool:
     safety rule], which DTensor's collective workspace follows too), so a buffer given back
     while a view of it is still read is never written under that reader. Counters: ``hits``
     (served by a kept buffer) and ``busy`` (a kept buffer would have fit but was still
-    referenced).
+    referenced). ``storages()`` lists the live storages it handed out or keeps (for
+    ``fsdp2.tools.MemoryTracker``).
 
     Example::
 
@@ -81,7 +83,20 @@ class BufferPool:
     def __init__(self, keep: int) -> None:
         self.keep = keep
         self._free: list[KeptBuffer] = []
+        self._lent: weakref.WeakSet = weakref.WeakSet()  # storages handed out, while alive
         self.hits = self.busy = 0
+
+    def storages(self) -> list[torch.UntypedStorage]:
+        """The storages of the buffers this pool keeps or handed out that are still alive.
+
+        Example::
+
+            >>> pool = BufferPool(keep=2)
+            >>> a = pool.get((4, 1000), torch.float32, "cpu")
+            >>> any(s is a.untyped_storage() for s in pool.storages())
+            True
+        """
+        return [*self._lent, *(b.storage for b in self._free)]
 
     def get(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
         if torch.device(device).type != "cpu":
@@ -100,7 +115,10 @@ class BufferPool:
             capacity = -(-(need + _HEADROOM) // _HUGE_PAGE) * _HUGE_PAGE
             buf = KeptBuffer.of(_host_memory.empty((capacity,), torch.uint8, device))
         else:
-            return _host_memory.empty(tuple(shape), dtype, device)
+            fresh = _host_memory.empty(tuple(shape), dtype, device)
+            self._lent.add(fresh.untyped_storage())
+            return fresh
+        self._lent.add(buf.storage)
         return buf.tensor(shape, dtype)
 
     def put(self, t: torch.Tensor) -> None:

@@ -190,6 +190,17 @@ class PageBank:
         self._held: collections.OrderedDict[int, HostRegion] = collections.OrderedDict()
         self.moves = 0  # regions backed by another's pages so far
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the freed parameters' pages held now (for ``fsdp2.tools.MemoryTracker``).
+
+        Example::
+
+            >>> PageBank().held_bytes
+            0
+        """
+        return sum(r.nbytes for r in self._held.values())
+
     def release(self, region: HostRegion) -> None:
         region.resident = False
         if id(region) in self._held:

@@ -1,8 +1,22 @@
-"""fsdp2.tools: see inside a sharded run - the communication ledger and the analytic
-expectation of a step's collectives.
+"""fsdp2.tools: see inside a sharded run, and plan one.
+
+* ``MemoryTracker`` - live tensor bytes by category (sharded and unsharded parameters and
+  gradients, optimizer state, activations, communication buffers), per module and per phase,
+  current and peak (``fsdp2/tools/memory.py``).
+* ``CommLedger`` and ``expected_step_comms`` - the collectives of a step beside their
+  analytic expectation (``fsdp2/tools/ledger.py``, ``fsdp2/tools/comm_model.py``).
+* ``profile_model`` / ``estimate`` / ``rank_configs`` - the memory planner
+  (``fsdp2/tools/planner.py``; ``python -m fsdp2.plan``), and ``dry_run``, the real library
+  over a simulated world on PyTorch's fake process group (``fsdp2/tools/dry_run.py``).
+
+Library code here logs and never prints; ``fsdp2.tools.tables`` renders summaries as rich
+tables for command lines and examples.
 
 Example:
-    >>> from fsdp2.tools import CommLedger, expected_step_comms
+    >>> from fsdp2.tools import MemoryTracker, CommLedger, expected_step_comms
+    >>> with MemoryTracker(model, opt) as tracker:
+    ...     loss_fn(model(x), y).backward(); opt.step()
+    >>> tracker.peak, tracker.by_category("peak")["activations"]
     >>> ledger = CommLedger(expected_step_comms(model))
 """
 
@@ -14,9 +28,17 @@ from fsdp2.tools.comm_model import (
     expected_step_comms,
     groups_of,
 )
+from fsdp2.tools.dry_run import DryRunReport, dry_run
 from fsdp2.tools.ledger import CommLedger, LedgerRow, StepEntry, format_ledger
+from fsdp2.tools.memory import CATEGORIES, PHASES, MemoryTracker, ModuleStats, Sample
+from fsdp2.tools.planner import PlanConfig, estimate, profile_model, rank_configs
 
 __all__ = [
+    "CATEGORIES",
+    "PHASES",
+    "MemoryTracker",
+    "ModuleStats",
+    "Sample",
     "CommLedger",
     "LedgerRow",
     "StepEntry",
@@ -27,4 +49,10 @@ __all__ = [
     "TransformerTP",
     "expected_step_comms",
     "groups_of",
+    "PlanConfig",
+    "estimate",
+    "profile_model",
+    "rank_configs",
+    "DryRunReport",
+    "dry_run",
 ]
