@@ -63,6 +63,8 @@ __all__ = [
     "fsdp_group_comms",
     "groups_of",
     "expected_step_comms",
+    "clip_grad_comms",
+    "summarize",
 ]
 
 # Route choice of fsdp2/_collectives.py: a gloo group on host memory whose parameters
@@ -80,7 +82,8 @@ class ParamSpec:
     """One parameter as ``fully_shard`` sees it.
 
     ``shape`` is the tensor FSDP shards: the full shape, or under tensor parallelism the
-    tensor-parallel *local* shape. ``dtype`` is the parameter's own dtype (the all-gather
+    tensor-parallel *local* shape (``tp_mesh_dim`` and ``tp_size`` then name the
+    tensor-parallel dim and its size). ``dtype`` is the parameter's own dtype (the all-gather
     uses ``param_dtype`` when the group's policy sets one).
 
     Example:
@@ -92,6 +95,8 @@ class ParamSpec:
     dtype: torch.dtype = torch.float32
     requires_grad: bool = True
     shard_dim: int = 0
+    tp_mesh_dim: str | int | None = None
+    tp_size: int = 1
 
     def padded_numel(self, shard_size: int) -> int:
         """Elements this parameter adds to one rank's row of a grouped collective."""
@@ -349,7 +354,7 @@ def groups_of(model: torch.nn.Module) -> list[GroupSpec]:
         out.append(
             GroupSpec(
                 params=[
-                    ParamSpec(tuple(p.shape), p.dtype, p.requires_grad, p.shard_dim)
+                    ParamSpec(tuple(p.shape), p.dtype, p.requires_grad, p.shard_dim, *_tp_dim(p))
                     for p in g.params
                 ],
                 shard_size=info.shard_size,
@@ -369,6 +374,14 @@ def groups_of(model: torch.nn.Module) -> list[GroupSpec]:
     return out
 
 
+def _tp_dim(p) -> tuple[str | int | None, int]:
+    """The tensor-parallel dim a parameter is laid out over (label, size), or (None, 1)."""
+    if p.tp_spec is None:
+        return None, 1
+    mesh = p.tp_spec.mesh
+    return (mesh.mesh_dim_names[0] if mesh.mesh_dim_names else 0), mesh.size()
+
+
 def _backend_of(mesh) -> str:
     return "gloo" if mesh.device_type == "cpu" else "nccl"
 
@@ -379,6 +392,7 @@ def expected_step_comms(
     tp: TransformerTP | None = None,
     micro_batches: int = 1,
     sync_every_micro_batch: bool = False,
+    clip_grad_norm: bool = False,
 ) -> CommExpectation:
     """The collectives one training step (forward, backward, optimizer step) is expected
     to issue on each rank.
@@ -390,6 +404,8 @@ def expected_step_comms(
         micro_batches: forward/backward passes per optimizer step (gradient accumulation).
         sync_every_micro_batch: reduce gradients after every micro-batch rather than only
             after the last (``set_requires_gradient_sync(False)`` on the others).
+        clip_grad_norm: the step calls ``torch.nn.utils.clip_grad_norm_`` on the model's
+            parameters (``clip_grad_comms``).
 
     Raises:
         ValueError: ``micro_batches`` below 1.
@@ -414,13 +430,165 @@ def expected_step_comms(
         )
     if tp is not None:
         records += tp.comms() * micro_batches
+    if clip_grad_norm:
+        records += clip_grad_comms(groups)
     return CommExpectation(records)
+
+
+def clip_grad_comms(groups: Iterable[GroupSpec]) -> list[ExpectedCollective]:
+    """The collectives of ``clip_grad_norm_`` over the sharded parameters of ``groups``.
+
+    ``dtensor``'s total norm takes the norms of the gradients on one mesh together and
+    all-reduces the stacked per-parameter norms once over each mesh dim that shards them:
+    the shard dim (not HSDP's replicate dim) and the tensor-parallel dim, ``n x itemsize``
+    bytes for ``n`` trainable parameters on that mesh.
+
+    Example:
+        >>> [(c.kind, c.mesh_dim, c.bytes) for c in clip_grad_comms(groups_of(model))]
+        [('all_reduce', 'dp', 148)]
+    """
+    meshes: dict[tuple, list[ParamSpec]] = {}
+    for g in groups:
+        for p in g.params:
+            if p.requires_grad and g.data_parallel_size > 1:
+                key = (g.mesh_dim, g.shard_size, p.tp_mesh_dim, p.tp_size, g.replicate_mesh_dim)
+                meshes.setdefault(key, []).append(p)
+    out = []
+    for (label, size, tp_label, tp_size, _), params in meshes.items():
+        nbytes = len(params) * max(p.dtype.itemsize for p in params)
+        out.append(ExpectedCollective("all_reduce", label, size, nbytes, "optimizer", "clip"))
+        if tp_label is not None:
+            out.append(
+                ExpectedCollective("all_reduce", tp_label, tp_size, nbytes, "optimizer", "clip")
+            )
+    return out
 
 
 # --------------------------------------------------------------------------- tensor parallelism
 @dataclass(frozen=True)
 class TransformerTP:
-    """Placeholder (filled in below)."""
+    """The tensor-parallel collectives of one step of a transformer laid out by the
+    Megatron-style plan with sequence parallelism (``examples.gpt.tp_plan``, torchtitan's
+    plan) over a ``tp`` mesh dim of ``tp_size`` ranks.
+
+    Derived from ``dtensor/parallel/style.py`` and ``_compute.py`` ([Note: tensor
+    parallelism per block]). With ``B`` = ``batch`` (the sequences one tensor-parallel group
+    computes), ``T`` = ``seq``, ``D`` = ``dim``, ``V`` = ``vocab``, ``k`` = ``tp_size``, an
+    activation shard is ``S = B * ceil(T/k) * D`` elements and a full activation
+    ``F = B * T * D``, both in ``dtype`` (the compute dtype: ``param_dtype`` under mixed
+    precision):
+
+    ==========================  ==========================================  ===================
+    module (style)              forward                                     backward
+    ==========================  ==========================================  ===================
+    token embedding (Rowwise,   reduce-scatter ``F`` (partial rows to        all-gather ``S``
+    output ``Shard(1)``)        sequence shards)
+    position embedding          reduce-scatter ``T*D``                       all-gather
+    (Rowwise, ``Shard(0)``)                                                  ``ceil(T/k)*D``
+    norm (SequenceParallel)     none                                        all-reduce of each
+                                                                            weight/bias grad, D
+    attention / MLP input       all-gather ``S`` (``Shard(1)->Replicate``)   all-gather ``S``
+    (PrepareModuleInput)                                                    (re-gather of the
+                                                                            saved shard) and
+                                                                            reduce-scatter ``F``
+    q, k, v / fc (Colwise)      none                                        none (their partial
+                                                                            input grads are
+                                                                            summed, then reduced
+                                                                            by the row above)
+    proj / out (Rowwise,        reduce-scatter ``F``                         all-gather ``S``;
+    output ``Shard(1)``)                                                    all-reduce of the
+                                                                            bias grad, D
+    head (Colwise, input        all-gather ``S``; unless ``loss_parallel``,  all-gather ``S``
+    ``Shard(1)``)               all-gather ``B*T*ceil(V/k)`` (the logits)    (re-gather) and
+                                                                            reduce-scatter ``F``
+    loss (``loss_parallel``)    3 all-reduces of ``B*T`` (max, sum, pick)    1 all-reduce ``B*T``
+    ==========================  ==========================================  ===================
+
+    Norms have ``norm_params`` parameters each (2 for LayerNorm, 1 for RMSNorm);
+    ``bias=False`` drops the row-parallel biases' all-reduces; ``regather_in_backward=False``
+    (PyTorch's styles) keeps the gathered inputs instead of gathering them again. Not
+    modelled: ``uneven_shards`` (a small all-gather of sizes per sequence-parallel input)
+    and activation checkpointing (the recomputed forward repeats a block's forward
+    collectives).
+
+    Example:
+        >>> tp = TransformerTP(n_layers=2, batch=2, seq=6, dim=32, vocab=67, tp_size=2)
+        >>> tp.by_mesh_dim()[("reduce_scatter", "tp")]    # (count, bytes per rank)
+        (11, 16128)
+    """
+
+    n_layers: int
+    batch: int
+    seq: int
+    dim: int
+    vocab: int
+    tp_size: int
+    mesh_dim: str | int | None = "tp"
+    dtype: torch.dtype = torch.float32
+    loss_parallel: bool = False
+    loss_dtype: torch.dtype | None = None
+    bias: bool = True
+    norm_params: int = 2
+    position_embedding: bool = True
+    regather_in_backward: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "batch", "seq", "dim", "vocab", "tp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (1 if name != "n_layers" else 0):
+                raise ValueError(f"TransformerTP: {name} must be a positive int, got {value!r}.")
 
     def comms(self) -> list[ExpectedCollective]:
-        return []
+        """The step's tensor-parallel collectives (forward, then backward)."""
+        k, lbl, item = self.tp_size, self.mesh_dim, self.dtype.itemsize
+        if k == 1:
+            return []
+        b, t, d = self.batch, self.seq, self.dim
+        shard, full = b * _ceil_div(t, k) * d * item, b * t * d * item
+        fwd, bwd = [], []
+
+        def c(kind: str, nbytes: int, phase: str, where: str) -> None:
+            (fwd if phase == "forward" else bwd).append(
+                ExpectedCollective(kind, lbl, k, nbytes, phase, where)
+            )
+
+        def gathered_input(where: str) -> None:  # PrepareModuleInput / Colwise(Shard(1))
+            c("all_gather", shard, "forward", where)
+            if self.regather_in_backward:
+                c("all_gather", shard, "backward", where)
+            c("reduce_scatter", full, "backward", where)
+
+        def norm(where: str) -> None:
+            for _ in range(self.norm_params):
+                c("all_reduce", d * item, "backward", where)
+
+        def row_parallel(where: str) -> None:
+            c("reduce_scatter", full, "forward", where)
+            c("all_gather", shard, "backward", where)
+            if self.bias:
+                c("all_reduce", d * item, "backward", where)
+
+        c("reduce_scatter", full, "forward", "tok_emb")
+        c("all_gather", shard, "backward", "tok_emb")
+        if self.position_embedding:
+            c("reduce_scatter", t * d * item, "forward", "pos_emb")
+            c("all_gather", _ceil_div(t, k) * d * item, "backward", "pos_emb")
+        for i in range(self.n_layers):
+            for part in ("attn", "mlp"):
+                norm(f"blocks.{i}.{'ln1' if part == 'attn' else 'ln2'}")
+                gathered_input(f"blocks.{i}.{part}")
+                row_parallel(f"blocks.{i}.{part}.{'proj' if part == 'attn' else 'out'}")
+        norm("ln_f")
+        gathered_input("head")
+        if self.loss_parallel:
+            rows = b * t * (self.loss_dtype or self.dtype).itemsize
+            for _ in range(3):
+                c("all_reduce", rows, "forward", "loss")
+            c("all_reduce", rows, "backward", "loss")
+        else:
+            c("all_gather", b * t * _ceil_div(self.vocab, k) * item, "forward", "head")
+        return fwd + bwd
+
+    def by_mesh_dim(self) -> dict[tuple[str, str | int | None], tuple[int, int]]:
+        """``{(kind, mesh_dim): (count, bytes)}`` of ``comms()``."""
+        return summarize(self.comms())
