@@ -70,7 +70,6 @@ def plan_config(spec: dict, global_batch: int, seq: int):
         param_dtype=torch.bfloat16 if bf16 else None,
         reduce_dtype=torch.float32 if bf16 else None,
         batch_size=global_batch // dp,
-        seq_len=seq,
     )
 
 
@@ -216,7 +215,9 @@ def main() -> None:
     console = Console()
     console.print(table)
     cats = Table(title="by category at each peak (MiB): predicted / measured")
-    keys = sorted({k for r in rows for k in (*r["predicted_categories"], *r["measured_categories"])})
+    keys = sorted(
+        {k for r in rows for k in (*r["predicted_categories"], *r["measured_categories"])}
+    )
     cats.add_column("config")
     for k in keys:
         cats.add_column(k.replace("_", " "), justify="right")

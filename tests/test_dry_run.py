@@ -50,34 +50,37 @@ def _check_against_planner(cfg: GPTConfig, plan: PlanConfig, *, rank: int = 0) -
     predicted = {g.name: g.shard_numel for g in group_layouts(profile, plan)}
     assert report.shard_numel == predicted
     expected = collectives(profile, plan)
-    fsdp_dims = ("dp_shard", "dp_replicate")
-    seen = {k: (report.counts[k], report.bytes[k]) for k in report.counts if k[1] in fsdp_dims}
+    # tensor parallelism's are modelled without activation checkpointing only
+    dims = {k[1] for k in expected} | ({"tp"} if plan.tp > 1 else set())
+    seen = {k: (report.counts[k], report.bytes[k]) for k in report.counts if k[1] in dims}
     assert seen == expected
     return report
 
 
 @pytest.mark.timeout(60)  # the issue's bound for 1024 simulated ranks (about 5 s here)
-def test_dry_run_1024_ranks_fsdp_7b_matches_planner():
-    report = _check_against_planner(LLAMA_7B, PlanConfig(world_size=1024))
+def test_dry_run_1024_ranks_fsdp_7b_ac_bf16_matches_planner():
+    plan = PlanConfig(
+        world_size=1024,
+        activation_checkpointing=True,
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+    )
+    report = _check_against_planner(LLAMA_7B, plan)
     # 32 blocks + the root: each block gathered in forward and again in backward
     assert report.counts == {("all_gather", "dp_shard"): 65, ("reduce_scatter", "dp_shard"): 33}
     assert report.mesh_shape == {"dp_shard": 1024}
 
 
 @pytest.mark.timeout(60)
-def test_dry_run_1024_ranks_hsdp_tp_ac_bf16_matches_planner():
-    plan = PlanConfig(
-        world_size=1024,
-        tp=8,
-        dp_replicate=4,
-        activation_checkpointing=True,
-        param_dtype=torch.bfloat16,
-        reduce_dtype=torch.float32,
-    )
+def test_dry_run_1024_ranks_hsdp_tp_matches_planner_and_ledger():
+    """HSDP 4 x 32 over tensor parallelism of 8: shard sizes, FSDP's collectives and the
+    tensor-parallel ones (the ledger's TransformerTP) all as predicted."""
+    plan = PlanConfig(world_size=1024, tp=8, dp_replicate=4)
     # the last rank: its shards are the short ones where rows do not divide
     report = _check_against_planner(LLAMA_7B, plan, rank=1023)
     assert report.mesh_shape == {"dp_replicate": 4, "dp_shard": 32, "tp": 8}
     assert report.counts[("all_reduce", "dp_replicate")] == 33
+    assert report.counts[("all_gather", "tp")] == 2 + 32 * 6 + 3
 
 
 def test_dry_run_uneven_shards_on_the_last_rank():
@@ -166,3 +169,17 @@ SWEEP = [
 @pytest.mark.parametrize("cfg,plan", SWEEP, ids=[f"{c.dim}-{p.describe()}" for c, p in SWEEP])
 def test_dry_run_sweep(cfg, plan):
     _check_against_planner(cfg, plan)
+
+
+def test_gathered_inputs_regathered_on_meta_as_in_a_real_run():
+    """[Note: regather in backward] on meta tensors: the gathered inputs are saved as their
+    shards and gathered again in backward, as on real ones (every meta address is 0, so
+    they are told apart by storage), and the counts equal the ledger's TransformerTP."""
+    from fsdp2.tools.comm_model import TransformerTP
+
+    cfg = GPTConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, max_seq_len=16, fused_qkv=False)
+    report = dry_run(lambda: GPT(cfg), world_size=8, tp=2, tp_plan=tp_plan(), seq_len=16)
+    expected = TransformerTP(n_layers=2, batch=1, seq=16, dim=64, vocab=512, tp_size=2)
+    tp = {k: (report.counts[k], report.bytes[k]) for k in report.counts if k[1] == "tp"}
+    assert tp == expected.by_mesh_dim()
+    assert tp[("all_gather", "tp")][0] == 17  # 5 of them the backward's re-gathers

@@ -33,9 +33,10 @@ the steady state of training (the optimizer state exists, gradients were set to 
   Attention is traced as the flash kernels save it (query, key, value, output and the
   log-sum-exp, never the ``t x t`` matrix). With activation checkpointing a block keeps
   only its input; its backward recomputes one block's activations. With tensor
-  parallelism of degree ``t`` (sequence parallel between blocks), a saved tensor that is
-  the input of a column-parallel module stays whole (it was all-gathered from sequence
-  shards) and every other one is ``1/t``. Backward needs a working set on top: the
+  parallelism of degree ``t`` (sequence parallel between blocks) every saved tensor is
+  ``1/t``: the inputs column-parallel modules gather are saved as their sequence shards
+  and gathered again in backward (``dtensor/parallel/_regather.py``), one at a time; a
+  style with ``regather_in_backward=False`` (PyTorch's behaviour) keeps them whole. Backward needs a working set on top: the
   gradient of the block's input and output and its largest intermediate gradient, taken
   as twice the block's largest saved tensor plus two block inputs (calibrated against the
   tracker, ``benchmarks/plan_validation.py``); the loss's backward needs twice the logits.
@@ -156,8 +157,8 @@ class PlanConfig:
         offload: ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer state on
             the host (not counted on the device; a CPU compute device ignores it).
         optimizer: ``"adamw"``, ``"sgd"`` (momentum) or ``"sgd-nomomentum"``.
-        batch_size: sequences per data-parallel rank per step (``global / dp``).
-        seq_len: tokens per sequence (None: the profile's).
+        batch_size: sequences per data-parallel rank per step (``global / dp``), of the
+            profile's ``seq_len`` tokens each.
 
     Example:
         >>> cfg = PlanConfig(world_size=64, tp=8, dp_replicate=2, param_dtype=torch.bfloat16)
@@ -176,7 +177,6 @@ class PlanConfig:
     offload: bool = False
     optimizer: str = "adamw"
     batch_size: int = 1
-    seq_len: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("world_size", "tp", "dp_replicate", "batch_size"):
@@ -579,9 +579,12 @@ def _trace_activations(model, blocks, seq_len, dtype, forward_fn, tp_plan):
 
     for b in blocks:
         handles += [b.register_forward_pre_hook(block_pre), b.register_forward_hook(block_post)]
+    regather = False
     for _name, m, style in _planned(model, tp_plan):
         if style == "ColwiseParallel":
             handles.append(m.register_forward_pre_hook(col_pre))
+    for style in (tp_plan or {}).values():
+        regather = regather or bool(getattr(style, "regather_in_backward", False))
 
     def pack(t: torch.Tensor):
         key = _storage_key(t)
@@ -599,7 +602,7 @@ def _trace_activations(model, blocks, seq_len, dtype, forward_fn, tp_plan):
         for h in handles:
             h.remove()
     for key, s in saved.items():
-        s.whole_under_tp = key in col_inputs
+        s.whole_under_tp = key in col_inputs and not regather
     return list(saved.values()), block_input[0]
 
 
@@ -811,6 +814,8 @@ def _memory(profile: ModelProfile, cfg: PlanConfig, groups, device: str) -> dict
     def act(s: SavedTensor) -> float:
         return s.nbytes * b * (1.0 if s.whole_under_tp or tp == 1 else 1.0 / tp)
 
+    gathered = 0.0  # under tp: a gathered input, alive again while backward re-gathers it
+
     per_block = [0.0] * profile.n_blocks
     biggest = [0.0] * profile.n_blocks
     pre = post = post_big = 0.0
@@ -825,12 +830,14 @@ def _memory(profile: ModelProfile, cfg: PlanConfig, groups, device: str) -> dict
             post += a
             post_big = max(post_big, a)
     block_in = profile.block_inputs[compute] * b / tp  # sequence-sharded between blocks
+    if tp > 1:
+        gathered = block_in * tp
     ac = cfg.activation_checkpointing
     kept = [block_in] * profile.n_blocks if ac else per_block
     last = profile.n_blocks - 1
     # backward's working set in a block: the gradients of its input and output, and of its
     # largest intermediate (twice); recomputed activations under checkpointing
-    workspace = 2 * max(biggest, default=0) + 2 * block_in
+    workspace = 2 * max(biggest, default=0) + 2 * block_in + gathered
     recompute = per_block[last] if ac and profile.n_blocks else 0.0
 
     # --- communication buffers
@@ -923,11 +930,12 @@ def _memory(profile: ModelProfile, cfg: PlanConfig, groups, device: str) -> dict
 
 # --------------------------------------------------------------------------------- collectives
 def collectives(profile: ModelProfile, cfg: PlanConfig, groups=None, *, device: str = "cuda"):
-    """``{(kind, mesh dim name): (count, bytes per rank)}`` of FSDP's collectives in one
+    """``{(kind, mesh dim name): (count, bytes per rank)}`` of the collectives of one
     forward and backward of ``cfg``, as ``CommDebugMode`` records them (bytes: what one
     rank contributes). The counting is the communication ledger's analytic model
-    (``fsdp2.tools.comm_model``), fed the planner's groups; tensor parallelism's
-    collectives are not included.
+    (``fsdp2.tools.comm_model``), fed the planner's groups: FSDP's always; tensor
+    parallelism's for ``examples.gpt``'s plan (``TransformerTP``) without activation
+    checkpointing (the recomputed forward's are not modelled there), else left out.
 
     Example:
         >>> collectives(profile, PlanConfig(world_size=8))[("all_gather", "dp_shard")]
@@ -936,7 +944,34 @@ def collectives(profile: ModelProfile, cfg: PlanConfig, groups=None, *, device: 
     from fsdp2.tools.comm_model import expected_step_comms
 
     specs = group_specs(profile, cfg, groups, device=device)
-    return expected_step_comms(specs).by_mesh_dim()
+    return expected_step_comms(specs, tp=transformer_tp(profile, cfg)).by_mesh_dim()
+
+
+def transformer_tp(profile: ModelProfile, cfg: PlanConfig):
+    """The ledger's ``TransformerTP`` for ``cfg`` when it applies: ``tp > 1``, no
+    activation checkpointing, and a model laid out by ``examples.gpt.tp_plan`` (a GPT with
+    token and position embeddings, LayerNorms); else None.
+
+    Example:
+        >>> transformer_tp(profile, PlanConfig(world_size=8, tp=2)).tp_size
+        2
+    """
+    from fsdp2.tools.comm_model import TransformerTP
+
+    model_cfg = _config_of(profile.model)
+    is_gpt = type(profile.model).__name__ == "GPT" and hasattr(model_cfg, "tie_weights")
+    if cfg.tp == 1 or cfg.activation_checkpointing or not is_gpt:
+        return None
+    return TransformerTP(
+        n_layers=profile.n_blocks,
+        batch=cfg.batch_size,
+        seq=profile.seq_len,
+        dim=profile.hidden,
+        vocab=_vocab_size(profile.model),
+        tp_size=cfg.tp,
+        dtype=cfg.param_dtype or profile.params[0].dtype,
+        bias=bool(getattr(model_cfg, "bias", True)),
+    )
 
 
 def group_specs(profile: ModelProfile, cfg: PlanConfig, groups=None, *, device: str = "cuda"):
@@ -989,9 +1024,10 @@ def step_cost(
     hw.efficiency``. Communication: ring collectives move ``(n - 1) / n`` of the gathered
     size per rank, at the intra-node bandwidth while the group fits in a node (the mesh
     puts ``tp`` innermost, then ``dp_shard``, then ``dp_replicate``), else the inter-node.
-    FSDP's gathers and reductions overlap compute; tensor parallelism's (two all-gathers
-    and two reduce-scatters of the block's activations per forward, as many in backward,
-    again in a recomputed forward) do not. Step = ``max(compute, fsdp) + tp +`` the
+    FSDP's gathers and reductions overlap compute; tensor parallelism's do not (the
+    ledger's ``TransformerTP`` when it applies, else two all-gathers and two
+    reduce-scatters of a block's activations per forward, as many in backward, and again
+    in a recomputed forward). Step = ``max(compute, fsdp) + tp +`` the
     first gather, which nothing hides.
 
     Example:
@@ -1021,7 +1057,12 @@ def step_cost(
             size = cfg.dp_replicate
             fsdp += 2 * nbytes * (size - 1) / size / bw(cfg.world_size)
     tp_s = 0.0
-    if cfg.tp > 1:
+    tp_known = [(kind, v) for (kind, dim), v in est.collectives.items() if dim == "tp"]
+    for kind, (_count, nbytes) in tp_known:  # the ledger's TransformerTP, when it applies
+        k = cfg.tp
+        moved = {"all_gather": nbytes * (k - 1), "reduce_scatter": nbytes * (k - 1) / k}
+        tp_s += moved.get(kind, 2 * nbytes * (k - 1) / k) / bw(cfg.tp)
+    if cfg.tp > 1 and not tp_known:
         act = tokens * profile.hidden * (cfg.param_dtype or torch.float32).itemsize
         passes = 3 if cfg.activation_checkpointing else 2
         per_block = 4 * act * (cfg.tp - 1) / cfg.tp
