@@ -144,6 +144,11 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--only", default=None, help="comma-separated config names")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument(
+        "--measured",
+        default=None,
+        help="reuse the measurements of an earlier --json file; only predict again",
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -179,13 +184,18 @@ def main() -> None:
     from benchmarks._arms import run_worker
 
     names = args.only.split(",") if args.only else list(CONFIGS)
+    earlier = {}
+    if args.measured:
+        for r in json.loads(Path(args.measured).read_text()):
+            earlier[r["config"]] = {"peak": r["measured"], "categories": r["measured_categories"]}
+        names = [n for n in names if n in earlier]
     rows = []
     for name in names:
         spec = CONFIGS[name]
         est = predict(spec, small=args.small, global_batch=args.global_batch, seq=args.seq)
         flags = ["--worker", name, "--global-batch", str(args.global_batch), "--seq", str(args.seq)]
         flags += ["--small"] if args.small else []
-        got = run_worker(__file__, flags, nproc=spec["ws"], what=name)
+        got = earlier.get(name) or run_worker(__file__, flags, nproc=spec["ws"], what=name)
         rows.append(
             {
                 "config": name,

@@ -32,16 +32,6 @@ from fsdp2.tools.planner import (
 )
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
-_SHORT = {
-    "sharded_params": "params",
-    "unsharded_params": "unshard",
-    "sharded_grads": "grads",
-    "unsharded_grads": "ugrads",
-    "optimizer_state": "optim",
-    "temporaries": "temp",
-    "activations": "acts",
-    "comm_buffers": "comm",
-}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -92,7 +82,7 @@ def _gib(n: float) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    console = Console()
+    console = Console(width=max(Console().width, 120))
     try:
         budget = parse_bytes(args.gpu_memory) if args.gpu_memory else None
         model, tp_plan, label = build_model(
@@ -126,26 +116,31 @@ def main(argv=None) -> int:
     )
     console.print(f"[bold]{label}[/bold]; seq {args.seq_len}, {args.dtype}, {args.optimizer}")
     console.print(
-        f"{args.world_size} ranks, budget {_gib(budget) if budget else '-'} GiB per rank; "
+        f"{args.world_size} ranks, budget {_gib(budget) if budget else '-'} GiB a rank; "
         f"{hw.name}, {hw.flops / 1e12:.0f} TFLOP/s at {hw.efficiency:.0%} MFU, "
         f"{hw.devices_per_node} devices a node"
     )
     if not fits and not too_big:
         console.print("[red]no layout: the global batch divides by no data-parallel size[/red]")
         return 1
-    table = Table(title=f"layouts that fit ({len(fits)} of {len(fits) + len(too_big)})")
-    for col in ("#", "layout", "batch/dp", "peak GiB", *(_SHORT[c] for c in CATEGORIES),
-                "step s", "compute s", "comm s"):  # fmt: skip
-        table.add_column(col, justify="left" if col == "layout" else "right")
+    table = Table(
+        title=f"layouts that fit ({len(fits)} of {len(fits) + len(too_big)}), fastest first"
+    )
+    for col in ("#", "layout", "batch", "peak GiB", "state", "unsharded", "activations",
+                "comm buf", "step s", "comm s"):  # fmt: skip
+        table.add_column(col, justify="left" if col == "layout" else "right", no_wrap=True)
     for i, e in enumerate(fits[: args.top]):
+        c = e.categories
         table.add_row(
             str(i + 1),
             e.config.describe(),
             str(e.config.batch_size),
             _gib(e.peak_bytes),
-            *(_gib(e.categories[c]) for c in CATEGORIES),
+            _gib(c["sharded_params"] + c["sharded_grads"] + c["optimizer_state"]),
+            _gib(c["unsharded_params"] + c["unsharded_grads"]),
+            _gib(c["activations"] + c["temporaries"]),
+            _gib(c["comm_buffers"]),
             f"{e.step_s:.3f}",
-            f"{e.compute_s:.3f}",
             f"{e.comm_s:.3f}",
         )
     console.print(table)
