@@ -36,7 +36,9 @@ the steady state of training (the optimizer state exists, gradients were set to 
   parallelism of degree ``t`` (sequence parallel between blocks) every saved tensor is
   ``1/t``: the inputs column-parallel modules gather are saved as their sequence shards
   and gathered again in backward (``dtensor/parallel/_regather.py``), one at a time; a
-  style with ``regather_in_backward=False`` (PyTorch's behaviour) keeps them whole. Backward needs a working set on top: the
+  style with ``regather_in_backward=False`` (PyTorch's behaviour) keeps them whole, and
+  what is saved after a module whose output is replicated (the head's logits, unless
+  ``loss_parallel``) is whole on every rank. Backward needs a working set on top: the
   gradient of the block's input and output and its largest intermediate gradient, taken
   as twice the block's largest saved tensor plus two block inputs (calibrated against the
   tracker, ``benchmarks/plan_validation.py``); the loss's backward needs twice the logits.
@@ -555,7 +557,7 @@ def _trace_activations(model, blocks, seq_len, dtype, forward_fn, tp_plan):
         model, blocks = _copy_with_blocks(model, blocks, dtype)
     param_keys = {_storage_key(p) for p in model.parameters()}
     col_inputs: set[int] = set()
-    region = {"block": None, "phase": "pre"}
+    region = {"block": None, "phase": "pre", "whole": False}
     block_index = {id(b): i for i, b in enumerate(blocks)}
     saved: dict[int, SavedTensor] = {}
     block_input = [0]
@@ -579,18 +581,32 @@ def _trace_activations(model, blocks, seq_len, dtype, forward_fn, tp_plan):
 
     for b in blocks:
         handles += [b.register_forward_pre_hook(block_pre), b.register_forward_hook(block_post)]
+
+    def replicated_out(module, args, out):  # a module whose output every tp rank holds whole
+        region["whole"] = True
+
     regather = False
     for _name, m, style in _planned(model, tp_plan):
         if style == "ColwiseParallel":
             handles.append(m.register_forward_pre_hook(col_pre))
-    for style in (tp_plan or {}).values():
+    for pattern, style in (tp_plan or {}).items():
         regather = regather or bool(getattr(style, "regather_in_backward", False))
+        layouts = getattr(style, "output_layouts", None)
+        layouts = layouts if isinstance(layouts, (tuple, list)) else (layouts,)
+        if any(type(pl).__name__ == "Replicate" for pl in layouts):
+            for name, m in model.named_modules():
+                if (
+                    name
+                    and _matches(pattern, name)
+                    and not any(m is b or _is_inside(m, b) for b in blocks)
+                ):
+                    handles.append(m.register_forward_hook(replicated_out))
 
     def pack(t: torch.Tensor):
         key = _storage_key(t)
         if key not in param_keys and key not in saved:
             saved[key] = SavedTensor(
-                t.untyped_storage().nbytes(), region["block"], False, region["phase"]
+                t.untyped_storage().nbytes(), region["block"], region["whole"], region["phase"]
             )
         return t
 
@@ -602,8 +618,12 @@ def _trace_activations(model, blocks, seq_len, dtype, forward_fn, tp_plan):
         for h in handles:
             h.remove()
     for key, s in saved.items():
-        s.whole_under_tp = key in col_inputs and not regather
+        s.whole_under_tp = s.whole_under_tp or (key in col_inputs and not regather)
     return list(saved.values()), block_input[0]
+
+
+def _is_inside(m: nn.Module, block: nn.Module) -> bool:
+    return any(m is sub for sub in block.modules())
 
 
 # --------------------------------------------------------------------------------- layout
