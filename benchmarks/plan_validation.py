@@ -94,6 +94,7 @@ def measure(spec: dict, *, small: bool, global_batch: int, seq: int) -> dict:
     import torch.distributed as dist
 
     from device_mesh import init_device_mesh
+    from dtensor.debug import CommDebugMode
     from examples.gpt import GPT, gpt_loss, tp_plan
     from fsdp2 import MixedPrecisionPolicy, parallelize_transformer
     from fsdp2.tools.dry_run import mesh_for
@@ -132,9 +133,31 @@ def measure(spec: dict, *, small: bool, global_batch: int, seq: int) -> dict:
         opt.zero_grad()
 
     step()  # the optimizer state exists from here on, as in every later step
-    with MemoryTracker(model, opt) as tracker:
+    with CommDebugMode() as comm, MemoryTracker(model, opt) as tracker:
         step()
-    return {"peak": tracker.peak, "categories": tracker.by_category("peak")}
+    counts: dict[str, list[int]] = {}
+    for r in comm.records:
+        entry = counts.setdefault(f"{r.kind}@{r.mesh_dim}", [0, 0])
+        entry[0] += 1
+        entry[1] += r.bytes
+    return {"peak": tracker.peak, "categories": tracker.by_category("peak"), "comms": counts}
+
+
+def _comms_match(est, measured) -> str:
+    """Whether the step's collectives under ``CommDebugMode`` (count and bytes by kind and
+    mesh dim) equal the planner's (``est.collectives``: the ledger's model); the tensor-
+    parallel ones are compared only where the planner models them (no checkpointing)."""
+    if measured is None:
+        return "-"
+    got = {tuple(k.split("@")): tuple(v) for k, v in measured.items()}
+    cfg = est.config
+    modelled_tp = cfg.tp > 1 and not cfg.activation_checkpointing
+    got = {k: v for k, v in got.items() if k[1] != "tp" or modelled_tp}
+    want = {(kind, str(dim)): tuple(v) for (kind, dim), v in est.collectives.items()}
+    if got == want:
+        return f"equal ({sum(c for c, _ in want.values())})"
+    diff = sorted(set(got.items()) ^ set(want.items()))
+    return f"DIFFER: {diff[:4]}"
 
 
 def parse_args(argv=None):
@@ -187,7 +210,11 @@ def main() -> None:
     earlier = {}
     if args.measured:
         for r in json.loads(Path(args.measured).read_text()):
-            earlier[r["config"]] = {"peak": r["measured"], "categories": r["measured_categories"]}
+            earlier[r["config"]] = {
+                "peak": r["measured"],
+                "categories": r["measured_categories"],
+                "comms": r.get("measured_comms"),
+            }
         names = [n for n in names if n in earlier]
     rows = []
     for name in names:
@@ -205,11 +232,14 @@ def main() -> None:
                 "phase": est.peak_phase,
                 "predicted_categories": est.categories,
                 "measured_categories": got["categories"],
+                "measured_comms": got.get("comms"),
+                "comms_match": _comms_match(est, got.get("comms")),
             }
         )
     mib = 1 << 20
     table = Table(title="memory planner: predicted vs measured peak (rank 0, MiB)")
-    for col in ("config", "layout", "predicted", "measured", "error", "planner's peak"):
+    for col in ("config", "layout", "predicted", "measured", "error", "planner's peak",
+                "collectives"):  # fmt: skip
         table.add_column(col, justify="left" if col in ("config", "layout") else "right")
     for r in rows:
         err = (r["predicted"] - r["measured"]) / r["measured"]
@@ -221,6 +251,7 @@ def main() -> None:
             f"{r['measured'] / mib:.1f}",
             f"[{style}]{err:+.1%}[/{style}]" if style else f"{err:+.1%}",
             r["phase"],
+            r["comms_match"],
         )
     console = Console()
     console.print(table)

@@ -38,7 +38,7 @@ def _meta_gpt(cfg: GPTConfig = SMALL) -> GPT:
 
 # --------------------------------------------------------------------------- validation
 def _within_ten_percent(name: str) -> None:
-    from benchmarks.plan_validation import CONFIGS, measure, predict
+    from benchmarks.plan_validation import CONFIGS, _comms_match, measure, predict
 
     spec = CONFIGS[name]
     got = measure(spec, small=True, global_batch=4, seq=128)
@@ -47,10 +47,12 @@ def _within_ten_percent(name: str) -> None:
     est = predict(spec, small=True, global_batch=4, seq=128)
     err = (est.peak_bytes - got["peak"]) / got["peak"]
     assert abs(err) <= 0.10, (name, est.peak_bytes, got, est.categories)
+    # and the step's collectives under CommDebugMode are the planner's (the ledger's model)
+    assert _comms_match(est, got["comms"]).startswith("equal"), (est.collectives, got["comms"])
 
 
 @pytest.mark.parametrize("name,ranks", [("ws1-plain", 1), ("ws2-fsdp", 2)])
-def test_predicted_peak_within_ten_percent_of_the_tracker(name, ranks):
+def test_predicted_peak_within_ten_percent_of_the_tracker_and_collectives_equal(name, ranks):
     run_on_ranks(ranks, _within_ten_percent, name=name)
 
 

@@ -88,6 +88,11 @@ __all__ = [
     "profile_model",
     "estimate",
     "rank_configs",
+    "group_layouts",
+    "collectives",
+    "group_specs",
+    "transformer_tp",
+    "step_cost",
     "parse_bytes",
 ]
 
