@@ -859,11 +859,6 @@ def _memory(profile: ModelProfile, cfg: PlanConfig, groups, device: str) -> dict
         gathered = block_in * tp
     ac = cfg.activation_checkpointing
     kept = [block_in] * profile.n_blocks if ac else per_block
-    last = profile.n_blocks - 1
-    # backward's working set in a block: the gradients of its input and output, and of its
-    # largest intermediate (twice); recomputed activations under checkpointing
-    workspace = 2 * max(biggest, default=0) + 2 * block_in + gathered
-    recompute = per_block[last] if ac and profile.n_blocks else 0.0
 
     # --- communication buffers
     def direct(g, itemsize: int) -> bool:
@@ -926,16 +921,64 @@ def _memory(profile: ModelProfile, cfg: PlanConfig, groups, device: str) -> dict
             "comm_buffers": gather_buffers(ref),
         },
     }
-    if blocks:
-        computing = ugrads(blocks[-1])
-        queued = blocks[-1 - pending : -1]
-        phases["backward"] = {
-            "unsharded_params": root_u + in_flight,
-            grads_key: root_post + computing + sum(held_grads(g) for g in queued),
-            "activations": pre + sum(kept[:-1]) + (0 if ac else per_block[last]),
-            "temporaries": workspace + recompute,
+
+    def shards(gs) -> int:
+        return 0 if offloaded else sum(g.shard_numel * g.itemsize for g in gs if trains(g))
+
+    # backward, block by block (last to first): the block computing and the one prefetched
+    # are unsharded, the blocks after it are reduced (but the `pending` latest, whose
+    # reductions are in flight), the blocks before it still hold their activations
+    for i in range(len(blocks) - 1, -1, -1):
+        queued = blocks[i + 1 : i + 1 + pending]
+        if cfg.reshard_after_forward:
+            gathered_now = sum(unsharded(g) for g in blocks[max(i - 1, 0) : i + 1])
+        else:
+            gathered_now = sum(unsharded(g) for g in blocks[: i + 1])
+        if trivial:  # gradients land in .grad at once, whole
+            grads = {"sharded_grads": root_post + sum(ugrads(g) for g in blocks[i:])}
+        else:
+            grads = {
+                "sharded_grads": shards(blocks[i + 1 + pending :]),
+                "unsharded_grads": root_post
+                + ugrads(blocks[i])
+                + sum(held_grads(g) for g in queued),
+            }
+        # backward's working set in a block: the gradients of its input and output, and of
+        # its largest intermediate (twice); the recomputed block under checkpointing
+        phases[f"backward {blocks[i].name}"] = {
+            "unsharded_params": root_u + gathered_now,
+            **grads,
+            "activations": pre + sum(kept[:i]) + (0 if ac else per_block[i]),
+            "temporaries": 2 * biggest[i] + 2 * block_in + gathered + (per_block[i] if ac else 0),
             "comm_buffers": gather_buffers(ref) + sum(reduce_buffers(g) for g in queued),
         }
+    if root is not None:
+        # the modules before the blocks (embeddings) run backward: the first blocks'
+        # reductions still in flight; their dense gradient is built, then accumulated
+        queued = blocks[:pending]
+        pre_grads = ugrads(root) - root_post
+        if trivial:
+            grads = {"sharded_grads": ugrads(root) + sum(ugrads(g) for g in blocks)}
+        else:
+            grads = {
+                "sharded_grads": shards(blocks[pending:]),
+                "unsharded_grads": ugrads(root) + sum(held_grads(g) for g in queued),
+            }
+        phases["backward end"] = {
+            "unsharded_params": root_u,
+            **grads,
+            "activations": pre,
+            "temporaries": pre_grads,
+            "comm_buffers": sum(reduce_buffers(g) for g in queued),
+        }
+        if not trivial and trains(root):
+            # the root's own reduction, last: every block reduced, the root resharded
+            phases["root reduction"] = {
+                "sharded_grads": shards(blocks),
+                "unsharded_grads": held_grads(root),
+                "temporaries": root.row_numel * r_item,
+                "comm_buffers": reduce_buffers(root),
+            }
     phases["optimizer"] = {
         "sharded_grads": trainable_dev,
         "optimizer_state": opt,
