@@ -80,6 +80,21 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f}"
 
 
+def _moments(phases: dict) -> dict:
+    """The moments to show: every phase but the per-block backward ones, of which only the
+    highest (``"backward blocks[i]"``)."""
+    per_block = {k: v for k, v in phases.items() if k.startswith("backward blocks")}
+    out = {}
+    for name, cats in phases.items():
+        if name in per_block:
+            worst = max(per_block, key=lambda k: sum(per_block[k].values()))
+            if name == worst:
+                out[name] = cats
+        else:
+            out[name] = cats
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     console = Console(width=max(Console().width, 120))
@@ -154,11 +169,12 @@ def main(argv=None) -> int:
     best = fits[0]
     detail = Table(title=f"best: {best.config.describe()} (peak at {best.peak_phase})")
     detail.add_column("category")
-    for phase in best.phases:
-        detail.add_column(phase, justify="right")
+    shown = _moments(best.phases)
+    for label in shown:
+        detail.add_column(label, justify="right")
     for c in CATEGORIES:
-        detail.add_row(c, *(_gib(best.phases[ph][c]) for ph in best.phases))
-    detail.add_row("total", *(_gib(sum(best.phases[ph].values())) for ph in best.phases))
+        detail.add_row(c, *(_gib(m[c]) for m in shown.values()))
+    detail.add_row("total", *(_gib(sum(m.values())) for m in shown.values()))
     console.print(detail)
     comm = Table(title="collectives of one step (FSDP; per rank)")
     for col in ("kind", "mesh dim", "count", "GB contributed"):

@@ -48,8 +48,11 @@ the steady state of training (the optimizer state exists, gradients were set to 
   rows; the direct route on gloo stages only the ``shard_size - 1`` rows a reduction
   receives (and the reduce-dtype copy of gradients of another dtype).
 
-The peak is the largest of four moments: the end of forward, the start of backward (the
-loss's gradient), the last block's backward, and the optimizer step.
+The peak is the largest of these moments: the end of forward; the start of backward (the
+loss's gradient); each block's backward, last to first (its activations and those before it,
+the reduced shards of the blocks after it); the backward of the modules before the blocks
+(the embeddings' dense gradient while the first blocks' reductions are in flight); the
+root's own reduction; the optimizer step.
 
 Example:
     >>> with torch.device("meta"):
@@ -721,7 +724,8 @@ class Estimate:
         config: the configuration.
         peak_bytes: the predicted peak of live tensor bytes.
         peak_phase: the moment of the peak (``"forward"``, ``"backward start"``,
-            ``"backward"``, ``"optimizer"``).
+            ``"backward blocks[i]"``, ``"backward end"``, ``"root reduction"``,
+            ``"optimizer"``).
         categories: bytes by category at the peak (``CATEGORIES``).
         phases: ``{phase: {category: bytes}}`` for every moment considered.
         groups: the ``fully_shard`` groups and their shard sizes.
