@@ -40,11 +40,14 @@ CONFIGS = {
 }
 
 
-def model_config(small: bool, tp: int, seq: int):
-    """``benchmarks/train_bench.py``'s GPT (separate q/k/v with tensor parallelism)."""
+def model_config(small, tp: int, seq: int):
+    """``benchmarks/train_bench.py``'s GPT (``small``: True for its small one, "medium" for the
+    tests' size); separate q/k/v with tensor parallelism."""
     from examples.gpt import GPTConfig
 
-    if small:
+    if small == "medium":  # the tests' size: 8.4M parameters, blocks on gloo's direct route
+        cfg = GPTConfig(vocab_size=2048, dim=512, n_layers=2, n_heads=8, max_seq_len=seq)
+    elif small:
         cfg = GPTConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, max_seq_len=seq)
     else:
         cfg = GPTConfig(vocab_size=8192, dim=768, n_layers=12, n_heads=12, max_seq_len=seq)
@@ -160,9 +163,14 @@ def _comms_match(est, measured) -> str:
     return f"DIFFER: {diff[:4]}"
 
 
+def _size(args):
+    return "medium" if args.medium else args.small
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--small", action="store_true", help="a small GPT, for a quick check")
+    p.add_argument("--medium", action="store_true", help="the tests' GPT (8.4M parameters)")
     p.add_argument("--global-batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--only", default=None, help="comma-separated config names")
@@ -187,7 +195,7 @@ def worker(args) -> None:
     dist.init_process_group("gloo")
     try:
         got = measure(
-            CONFIGS[args.worker], small=args.small, global_batch=args.global_batch, seq=args.seq
+            CONFIGS[args.worker], small=_size(args), global_batch=args.global_batch, seq=args.seq
         )
         if dist.get_rank() == 0:
             Path(args.out).write_text(json.dumps(got))
@@ -219,9 +227,9 @@ def main() -> None:
     rows = []
     for name in names:
         spec = CONFIGS[name]
-        est = predict(spec, small=args.small, global_batch=args.global_batch, seq=args.seq)
+        est = predict(spec, small=_size(args), global_batch=args.global_batch, seq=args.seq)
         flags = ["--worker", name, "--global-batch", str(args.global_batch), "--seq", str(args.seq)]
-        flags += ["--small"] if args.small else []
+        flags += ["--small"] if args.small else ["--medium"] if args.medium else []
         got = earlier.get(name) or run_worker(__file__, flags, nproc=spec["ws"], what=name)
         rows.append(
             {

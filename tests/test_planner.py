@@ -41,10 +41,10 @@ def _within_ten_percent(name: str) -> None:
     from benchmarks.plan_validation import CONFIGS, _comms_match, measure, predict
 
     spec = CONFIGS[name]
-    got = measure(spec, small=True, global_batch=4, seq=128)
+    got = measure(spec, small="medium", global_batch=4, seq=64)
     if dist.get_rank() != 0:
         return
-    est = predict(spec, small=True, global_batch=4, seq=128)
+    est = predict(spec, small="medium", global_batch=4, seq=64)
     err = (est.peak_bytes - got["peak"]) / got["peak"]
     assert abs(err) <= 0.10, (name, est.peak_bytes, got, est.categories)
     # and the step's collectives under CommDebugMode are the planner's (the ledger's model)

@@ -868,21 +868,33 @@ def _memory(profile: ModelProfile, cfg: PlanConfig, groups, device: str) -> dict
     def direct(g, itemsize: int) -> bool:
         return gloo and g.unsharded_numel * itemsize >= (1 << 20) * len(g.params)
 
+    def pooled(g, nbytes: int) -> int:
+        """A CPU buffer from the root's pool (groups of the blocks, whose shapes repeat)
+        is a whole number of huge pages with some headroom (``BufferPool.get``)."""
+        if not gloo or g is root:
+            return nbytes
+        return -(-(nbytes + (64 << 10)) // (2 << 20)) * (2 << 20)
+
     def gather_buffers(g) -> int:
         if trivial or g is None or direct(g, c_item):
             return 0
         rows_in = cfg.dp_shard if gloo else 1  # the all-to-all sends one copy per peer
-        return (rows_in + cfg.dp_shard) * g.row_numel * c_item
+        return pooled(g, rows_in * g.row_numel * c_item) + pooled(
+            g, cfg.dp_shard * g.row_numel * c_item
+        )
 
     def reduce_buffers(g) -> int:
         """What one reduction in flight holds besides the unsharded gradients."""
         if trivial or g is None or not trains(g):
             return 0
+        width = (g.row_numel + len(g.params)) * r_item  # values, then one flag each
         if direct(g, r_item):
             cast = g.unsharded_numel * r_item if r_item != c_item else 0
-            return (cfg.dp_shard - 1) * g.row_numel * r_item + cast
-        staged = g.unsharded_numel * r_item  # the gradient rows, cast on the way
-        return staged * (2 if gloo else 1) + g.row_numel * r_item
+            return pooled(g, (cfg.dp_shard - 1) * width) + cast
+        rows = pooled(g, cfg.dp_shard * width)  # the gradient rows, cast on the way
+        if gloo:  # the all-to-all receives as many
+            return 2 * rows
+        return rows + width
 
     def held_grads(g) -> int:
         """Unsharded gradients a reduction in flight still holds (a cast copy replaces
@@ -916,6 +928,7 @@ def _memory(profile: ModelProfile, cfg: PlanConfig, groups, device: str) -> dict
         "forward": {
             "unsharded_params": root_u + after_forward,
             "activations": pre + sum(kept) + post,
+            "comm_buffers": gather_buffers(ref),
         },
         "backward start": {
             "unsharded_params": root_u + in_flight,
