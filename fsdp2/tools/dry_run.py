@@ -21,7 +21,7 @@ Example:
     ...                                       vocab_size=32000, max_seq_len=2048)),
     ...                  world_size=1024)
     >>> report.shard_numel["blocks[0]"], report.counts[("all_gather", "dp_shard")]
-    (196736, 65)
+    (196660, 65)
 """
 
 from __future__ import annotations

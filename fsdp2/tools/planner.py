@@ -1023,8 +1023,9 @@ def collectives(profile: ModelProfile, cfg: PlanConfig, groups=None, *, device: 
     checkpointing (the recomputed forward's are not modelled there), else left out.
 
     Example:
-        >>> collectives(profile, PlanConfig(world_size=8))[("all_gather", "dp_shard")]
-        (9, 3411968)
+        >>> count, nbytes = collectives(profile, PlanConfig(world_size=8))[("all_gather", "dp_shard")]
+        >>> count                          # per block: forward and backward; the root once
+        2 * profile.n_blocks + 1
     """
     from fsdp2.tools.comm_model import expected_step_comms
 
