@@ -174,9 +174,26 @@ def default_timeout() -> timedelta:
     return timedelta(seconds=seconds)
 
 
+def simulated_world() -> bool:
+    """Whether the default group is PyTorch's fake process group: a dry run of one process
+    standing for every rank of a large world, where collectives move no data.
+
+    Every group a mesh asks for is then a fake group too (a real gloo group cannot be built
+    over the fake store), as PyTorch's DeviceMesh, which creates its groups with the default
+    group's backend, does.
+
+    Example:
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1024)
+        >>> simulated_world()
+        True
+    """
+    return dist.is_initialized() and str(dist.get_backend()).lower() == "fake"
+
+
 def _world_backend_serves(backend: str) -> bool:
     world_backend = str(dist.get_backend()).lower()
-    return backend in world_backend
+    return backend in world_backend or world_backend == "fake"
 
 
 def get_group(ranks: tuple[int, ...], backend: str, *, create: bool = True):
@@ -199,8 +216,9 @@ def get_group(ranks: tuple[int, ...], backend: str, *, create: bool = True):
     if key[1] == tuple(range(world)) and _world_backend_serves(backend):
         group = dist.group.WORLD
     else:
-        group = dist.new_group(ranks=list(key[1]), backend=backend)
-        logger.debug("created %s process group over ranks %s", backend, key[1])
+        real = "fake" if simulated_world() else backend
+        group = dist.new_group(ranks=list(key[1]), backend=real)
+        logger.debug("created %s process group over ranks %s", real, key[1])
     _GROUP_CACHE[key] = hold(group)
     return group
 
@@ -223,7 +241,8 @@ def get_side_group(ranks: tuple[int, ...], backend: str, *, purpose: str):
     key = (backend, tuple(sorted(ranks)), purpose)
     group = _alive(_GROUP_CACHE.get(key))
     if group is None:
-        group = dist.new_group(list(key[1]), backend=backend, use_local_synchronization=True)
+        real = "fake" if simulated_world() else backend
+        group = dist.new_group(list(key[1]), backend=real, use_local_synchronization=True)
         logger.debug("created %s process group over ranks %s for %s", backend, key[1], purpose)
         _GROUP_CACHE[key] = hold(group)
     return group

@@ -192,6 +192,15 @@ class FSDPParamGroup:
         for p in self.params:
             p.pin_local()
 
+    def follow_meta(self) -> None:
+        """[Note: dry run on meta] Parameters still on the meta device at the first forward
+        (a model built on meta and never materialized, under PyTorch's fake process group)
+        are gathered and computed on meta: every buffer is a meta tensor, so a dry run of a
+        large model in one process allocates nothing and issues the real collectives."""
+        if self.params and all(p.local.device.type == "meta" for p in self.params):
+            self.device = torch.device("meta")
+            self.offload = self.pin_memory = False
+
     def _check(self, ok: bool, what: str) -> None:
         if not ok:
             rank = dist.get_rank() if dist.is_initialized() else 0

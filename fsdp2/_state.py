@@ -192,6 +192,8 @@ class FSDPState:
         _check_pending_ties(states, paths)
         _check_tied_leftovers(self.modules)
         groups = [s.group for s in states if s.group is not None and s.group.params]
+        for g in groups:
+            g.follow_meta()
         device = groups[0].device if groups else torch.device("cpu")
         check_freed = any(s.check_freed for s in states)  # any call of this root asked
         ctx = IterationContext(self, states, CommContext(device, check_freed=check_freed))

@@ -28,6 +28,14 @@ from dtensor.placement import Replicate
 from dtensor.tensor import DTensor, redistribute_dtensor
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    """Which storage ``t`` lives in: its address, or on the meta device (where every
+    address is 0) the storage object itself, so that a dry run on meta tensors saves and
+    re-gathers exactly what a real run does."""
+    storage = t.untyped_storage()
+    return storage._cdata if t.device.type == "meta" else storage.data_ptr()
+
+
 class _Gathered:
     """One gathered input: the shard it came from, and its full tensor while backward needs it."""
 
@@ -77,18 +85,16 @@ class SaveShards:
         self._hooks = None
 
     def add(self, full: torch.Tensor, shard: torch.Tensor, mesh, placement, shape) -> None:
-        if full.device.type == "meta" or not full.dtype.is_floating_point:
+        if not full.dtype.is_floating_point:
             return
-        key = full.untyped_storage().data_ptr()
+        key = _storage_key(full)
         self._inputs[key] = (full, _Gathered(shard, mesh, placement, shape))
 
     def __bool__(self) -> bool:
         return bool(self._inputs)
 
     def _pack(self, t: torch.Tensor):
-        if t.device.type == "meta":
-            return t
-        entry = self._inputs.get(t.untyped_storage().data_ptr())
+        entry = self._inputs.get(_storage_key(t))
         if entry is None or entry[0].dtype != t.dtype:
             return t
         handle = entry[1]

@@ -1,4 +1,4 @@
-"""fsdp2.tools: see inside a sharded run.
+"""fsdp2.tools: see inside a sharded run, and plan one.
 
 * ``MemoryTracker`` - live tensor bytes by category (sharded and unsharded parameters and
   gradients, optimizer state, activations, communication buffers), per module and per phase,
@@ -6,6 +6,9 @@
 * ``CommLedger`` - each step's collectives (count and bytes per kind and mesh dim) beside the
   analytic expectation ``expected_step_comms`` computes from the model's structure
   (``fsdp2/tools/ledger.py``, ``fsdp2/tools/comm_model.py``).
+* ``profile_model`` / ``estimate`` / ``rank_configs`` - the memory planner
+  (``fsdp2/tools/planner.py``; ``python -m fsdp2.plan``), and ``dry_run``, the real library
+  over a simulated world on PyTorch's fake process group (``fsdp2/tools/dry_run.py``).
 
 Library code here logs and never prints; ``fsdp2.tools.tables`` renders summaries as rich
 tables for command lines and examples, ``fsdp2.tools.chart`` writes memory over a step as a
@@ -27,11 +30,14 @@ from fsdp2.tools.comm_model import (
     expected_step_comms,
     groups_of,
 )
+from fsdp2.tools.dry_run import DryRunReport, dry_run
 from fsdp2.tools.ledger import CommLedger, LedgerRow, StepEntry, format_ledger
-from fsdp2.tools.memory import MemoryTracker, ModuleStats, Sample
+from fsdp2.tools.memory import CATEGORIES, PHASES, MemoryTracker, ModuleStats, Sample
+from fsdp2.tools.planner import PlanConfig, estimate, profile_model, rank_configs
 
-# The category and phase names (plain tuples): ``fsdp2.tools.memory.CATEGORIES`` / ``PHASES``.
 __all__ = [
+    "CATEGORIES",
+    "PHASES",
     "MemoryTracker",
     "ModuleStats",
     "Sample",
@@ -45,4 +51,10 @@ __all__ = [
     "TransformerTP",
     "expected_step_comms",
     "groups_of",
+    "PlanConfig",
+    "estimate",
+    "profile_model",
+    "rank_configs",
+    "DryRunReport",
+    "dry_run",
 ]

@@ -1,0 +1,189 @@
+"""``python -m fsdp2.plan``: rank the layouts that fit a per-GPU memory budget.
+
+    python -m fsdp2.plan --model gpt --params 7e9 --world-size 64 --gpu-memory 80GB
+    python -m fsdp2.plan --hf-config path/to/config.json --world-size 256 --gpu-memory 80GB
+    python -m fsdp2.plan --model gpt --params 7e9 --world-size 64 --tp 8 --ac   # one layout
+
+Prints the layouts that fit, fastest first (predicted step time), with each one's peak
+memory by category, and a breakdown of the best one. Assumptions (H100 SXM, NVLink 450 GB/s,
+InfiniBand 50 GB/s per GPU, 40% MFU) are options. docs/tools.md ("Memory planner") says what
+the model counts and how it was validated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from fsdp2.plan import build_model
+from fsdp2.tools.planner import (
+    CATEGORIES,
+    CPU,
+    H100,
+    PlanConfig,
+    parse_bytes,
+    profile_model,
+    rank_configs,
+)
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m fsdp2.plan", description=__doc__.split("\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", type=float, help="model size in parameters, e.g. 7e9")
+    src.add_argument("--hf-config", help="a Hugging Face config.json (or its folder)")
+    p.add_argument("--model", choices=("gpt", "llama"), default="gpt",
+                   help="with --params: examples/gpt.py's GPT or transformers' Llama")  # fmt: skip
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--gpu-memory", default=None, help="per-rank budget, e.g. 80GB, 24GiB")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per step (default: one per data-parallel rank of tp=1)")  # fmt: skip
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16",
+                   help="param_dtype of the mixed-precision policy (reduce in fp32)")  # fmt: skip
+    p.add_argument("--optimizer", choices=("adamw", "sgd", "sgd-nomomentum"), default="adamw")
+    p.add_argument("--offload", action="store_true", help="CPUOffloadPolicy")
+    p.add_argument("--hardware", choices=("h100", "cpu"), default="h100")
+    p.add_argument("--flops", type=float, help="peak FLOP/s per device (override)")
+    p.add_argument("--mfu", type=float, help="fraction of peak reached (override)")
+    p.add_argument("--intra-bw", type=float, help="bytes/s per device within a node")
+    p.add_argument("--inter-bw", type=float, help="bytes/s per device across nodes")
+    p.add_argument("--devices-per-node", type=int)
+    p.add_argument("--tp", type=int, default=None, help="only this tensor-parallel degree")
+    p.add_argument("--replicate", type=int, default=None, help="only this HSDP replica count")
+    p.add_argument("--ac", action="store_true", help="only layouts with activation checkpointing")
+    p.add_argument("--top", type=int, default=12, help="rows to show")
+    return p.parse_args(argv)
+
+
+def hardware_of(args):
+    """The ``Hardware`` of the options (a preset, then any overrides)."""
+    hw = H100 if args.hardware == "h100" else CPU
+    overrides = {
+        "flops": args.flops,
+        "efficiency": args.mfu,
+        "intra_node_bw": args.intra_bw,
+        "inter_node_bw": args.inter_bw,
+        "devices_per_node": args.devices_per_node,
+    }
+    return replace(hw, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f}"
+
+
+def _moments(phases: dict) -> dict:
+    """The moments to show: every phase but the per-block backward ones, of which only the
+    highest (``"backward blocks[i]"``)."""
+    per_block = {k: v for k, v in phases.items() if k.startswith("backward blocks")}
+    out = {}
+    for name, cats in phases.items():
+        if name in per_block:
+            worst = max(per_block, key=lambda k: sum(per_block[k].values()))
+            if name == worst:
+                out[name] = cats
+        else:
+            out[name] = cats
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    console = Console(width=max(Console().width, 120))
+    try:
+        budget = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+        model, tp_plan, label = build_model(
+            args.model, params=args.params, hf_config=args.hf_config, seq_len=args.seq_len
+        )
+    except (ValueError, ImportError, OSError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        return 2
+    hw = hardware_of(args)
+    budget = budget if budget is not None else hw.memory
+    profile = profile_model(model, seq_len=args.seq_len, tp_plan=tp_plan)
+    dtype = _DTYPES[args.dtype]
+    base = PlanConfig(
+        world_size=args.world_size,
+        param_dtype=dtype,
+        reduce_dtype=torch.float32 if dtype is not None else None,
+        optimizer=args.optimizer,
+        offload=args.offload,
+    )
+    tps = (args.tp,) if args.tp else (1, 2, 4, 8)
+    fits, too_big = rank_configs(
+        profile,
+        args.world_size,
+        budget,
+        hardware=hw,
+        global_batch=args.global_batch,
+        tp_degrees=tps,
+        replicate_degrees=[args.replicate] if args.replicate else None,
+        activation_checkpointing=(True,) if args.ac else (False, True),
+        base=base,
+    )
+    console.print(f"[bold]{label}[/bold]; seq {args.seq_len}, {args.dtype}, {args.optimizer}")
+    console.print(
+        f"{args.world_size} ranks, budget {_gib(budget) if budget else '-'} GiB a rank; "
+        f"{hw.name}, {hw.flops / 1e12:.0f} TFLOP/s at {hw.efficiency:.0%} MFU, "
+        f"{hw.devices_per_node} devices a node"
+    )
+    if not fits and not too_big:
+        console.print("[red]no layout: the global batch divides by no data-parallel size[/red]")
+        return 1
+    table = Table(
+        title=f"layouts that fit ({len(fits)} of {len(fits) + len(too_big)}), fastest first"
+    )
+    for col in ("#", "layout", "batch", "peak GiB", "state", "unsharded", "activations",
+                "comm buf", "step s", "comm s"):  # fmt: skip
+        table.add_column(col, justify="left" if col == "layout" else "right", no_wrap=True)
+    for i, e in enumerate(fits[: args.top]):
+        c = e.categories
+        table.add_row(
+            str(i + 1),
+            e.config.describe(),
+            str(e.config.batch_size),
+            _gib(e.peak_bytes),
+            _gib(c["sharded_params"] + c["sharded_grads"] + c["optimizer_state"]),
+            _gib(c["unsharded_params"] + c["unsharded_grads"]),
+            _gib(c["activations"] + c["temporaries"]),
+            _gib(c["comm_buffers"]),
+            f"{e.step_s:.3f}",
+            f"{e.comm_s:.3f}",
+        )
+    console.print(table)
+    if not fits:
+        best = too_big[0]
+        console.print(
+            f"[red]nothing fits[/red]: the smallest peak is {_gib(best.peak_bytes)} GiB "
+            f"({best.config.describe()}); add ranks, activation checkpointing or offload."
+        )
+        return 1
+    best = fits[0]
+    detail = Table(title=f"best: {best.config.describe()} (peak at {best.peak_phase})")
+    detail.add_column("category")
+    shown = _moments(best.phases)
+    for label in shown:
+        detail.add_column(label, justify="right")
+    for c in CATEGORIES:
+        detail.add_row(c, *(_gib(m[c]) for m in shown.values()))
+    detail.add_row("total", *(_gib(sum(m.values())) for m in shown.values()))
+    console.print(detail)
+    comm = Table(title="collectives of one step (FSDP; per rank)")
+    for col in ("kind", "mesh dim", "count", "GB contributed"):
+        comm.add_column(col)
+    for (kind, dim), (count, nbytes) in best.collectives.items():
+        comm.add_row(kind, str(dim), str(count), f"{nbytes / 1e9:.2f}")
+    console.print(comm)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1258 @@
+"""Memory planner: per-rank peak memory, communication and step cost of a sharded layout,
+predicted from a model built on the meta device, without a training step.
+
+``profile_model(model)`` reads the model once: every parameter's shape and dtype, which
+``fully_shard`` group it falls in (one per transformer block, and the root), and what one
+forward saves for backward, block by block (a forward of the meta model: no memory, no
+data). ``estimate(profile, config)`` then predicts, for one :class:`PlanConfig` (mesh split,
+wrapping, ``reshard_after_forward``, mixed precision, activation checkpointing, offload,
+optimizer), the peak bytes of one rank by category and the collectives of one step;
+``rank_configs`` enumerates the layouts of a world size and orders the ones that fit a
+memory budget by predicted step time.
+
+[Note: the memory model] Bytes of rank 0 (the largest shards when they are uneven), at
+the steady state of training (the optimizer state exists, gradients were set to None by
+``zero_grad``). The categories are the ones of the memory tracker (``fsdp2.tools.memory``):
+
+* sharded parameters, sharded gradients and optimizer state: exact, from the shard sizes
+  ``fully_shard`` builds (``torch.chunk`` rows of dim 0 of the tensor-parallel local
+  tensor). AdamW keeps two tensors per parameter in its dtype plus a scalar step; SGD with
+  momentum one; plain SGD none. The step's temporaries: the single-tensor AdamW that runs
+  on CPU tensors makes two of the largest shard at once, the multi-tensor one (GPU) one of
+  every shard.
+* unsharded parameters in flight: the library's schedule (``fsdp2/_state.py``) gathers a
+  block in its pre-forward and prefetches the next one, so two blocks are unsharded at once
+  in forward and in backward (the block computing and the one prefetched), plus the root,
+  which keeps its parameters from forward through backward. With
+  ``reshard_after_forward=False`` every block keeps them until its backward.
+* unsharded gradients: the block in backward, and the blocks whose reduction is still in
+  flight (one on CPU, two on GPU: ``CommContext.max_pending``); the root's, from the start
+  of backward (head) or its end (embeddings), as the trace saw the modules run.
+* activations: what autograd saves, counted by a ``saved_tensors_hooks`` trace of the meta
+  model (parameters excluded, each storage once), scaled linearly with the micro-batch.
+  Attention is traced as the flash kernels save it (query, key, value, output and the
+  log-sum-exp, never the ``t x t`` matrix). With activation checkpointing a block keeps
+  only its input; its backward recomputes one block's activations. With tensor
+  parallelism of degree ``t`` (sequence parallel between blocks) every saved tensor is
+  ``1/t``: the inputs column-parallel modules gather are saved as their sequence shards
+  and gathered again in backward (``dtensor/parallel/_regather.py``), one at a time; a
+  style with ``regather_in_backward=False`` (PyTorch's behaviour) keeps them whole, and
+  what is saved after a module whose output is replicated (the head's logits, unless
+  ``loss_parallel``) is whole on every rank. Backward needs a working set on top: the
+  gradient of the block's input and output and its largest intermediate gradient, taken
+  as twice the block's largest saved tensor plus two block inputs (calibrated against the
+  tracker, ``benchmarks/plan_validation.py``); the loss's backward needs twice the logits.
+* communication buffers: the staged route (NCCL, small parameters on gloo) copies a
+  group's shards into a row and gathers all rows (``shard_size`` rows on NCCL, twice on
+  gloo: the all-to-all needs one copy per peer), and its reduction stages the gradient
+  rows; the direct route on gloo stages only the ``shard_size - 1`` rows a reduction
+  receives (and the reduce-dtype copy of gradients of another dtype).
+
+The peak is the largest of these moments: the end of forward; the start of backward (the
+loss's gradient); each block's backward, last to first (its activations and those before it,
+the reduced shards of the blocks after it); the backward of the modules before the blocks
+(the embeddings' dense gradient while the first blocks' reductions are in flight); the
+root's own reduction; the optimizer step.
+
+Example:
+    >>> with torch.device("meta"):
+    ...     model = GPT(GPTConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32))
+    >>> profile = profile_model(model, seq_len=2048)
+    >>> est = estimate(profile, PlanConfig(world_size=64))
+    >>> est.peak_bytes / 2**30                                   # GiB on one rank
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import fnmatch
+import itertools
+import logging
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtensor.placement import chunk_sizes, padded_chunk_size
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Hardware",
+    "H100",
+    "CPU",
+    "PlanConfig",
+    "ModelProfile",
+    "GroupLayout",
+    "Estimate",
+    "profile_model",
+    "estimate",
+    "rank_configs",
+    "group_layouts",
+    "collectives",
+    "group_specs",
+    "transformer_tp",
+    "step_cost",
+    "parse_bytes",
+]
+
+GiB = 1 << 30
+
+
+# --------------------------------------------------------------------------------- hardware
+@dataclass(frozen=True)
+class Hardware:
+    """What one device computes and moves, for the step-cost model.
+
+    Attributes:
+        name: shown in tables.
+        flops: dense peak FLOP/s of one device in the compute dtype.
+        efficiency: the fraction of ``flops`` a transformer step reaches (MFU).
+        intra_node_bw: bytes/s one device sends to peers in its node (bus bandwidth of a
+            ring collective).
+        inter_node_bw: bytes/s one device sends across nodes.
+        devices_per_node: devices that share the fast intra-node links.
+        memory: bytes of one device (the default budget), or None.
+        device: ``"cuda"`` or ``"cpu"``: which collective routes and how many reductions
+            in flight the memory model assumes.
+
+    Example:
+        >>> H100.flops / 1e12, H100.devices_per_node
+        (989.0, 8)
+        >>> replace(H100, inter_node_bw=25e9).inter_node_bw     # 200 Gb/s per GPU
+        25000000000.0
+    """
+
+    name: str
+    flops: float
+    efficiency: float
+    intra_node_bw: float
+    inter_node_bw: float
+    devices_per_node: int
+    memory: int | None = None
+    device: str = "cuda"
+
+
+#: H100 SXM: 989 TFLOP/s dense bf16 at 40% MFU, NVLink 4 (450 GB/s each way), one 400 Gb/s
+#: InfiniBand NIC per GPU (50 GB/s), 8 GPUs a node, 80 GB.
+H100 = Hardware("H100 SXM (NVLink 450 GB/s, IB 50 GB/s)", 989e12, 0.4, 450e9, 50e9, 8, 80 * 10**9)
+#: This kind of machine: gloo over loopback on a couple of shared cores (about 20 GFLOP/s a
+#: rank in fp32 and 2 GB/s between processes, measured by benchmarks/train_bench.py's step
+#: times; rough: the machine is shared).
+CPU = Hardware("CPU (gloo, loopback)", 20e9, 1.0, 2e9, 2e9, 64, None, device="cpu")
+
+
+# --------------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class PlanConfig:
+    """One layout of a training run over ``world_size`` ranks.
+
+    The mesh is ``(dp_replicate, dp_shard, tp)`` with ``dp_shard = world_size /
+    (dp_replicate * tp)`` (``fsdp2.parallelize_transformer``'s dim order: tensor
+    parallelism innermost).
+
+    Attributes:
+        world_size: ranks in all.
+        tp: tensor-parallel degree (1: none).
+        dp_replicate: HSDP replicas (1: plain FSDP).
+        blocks_per_group: transformer blocks per ``fully_shard`` call (1: one call per
+            block; 0: a single call on the root, no per-block wrapping).
+        reshard_after_forward: the blocks' ``reshard_after_forward`` (the root keeps its
+            parameters, as ``fully_shard``'s default ``None`` does).
+        activation_checkpointing: checkpoint every block.
+        param_dtype / reduce_dtype: ``MixedPrecisionPolicy``'s (None: the parameters').
+        offload: ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer state on
+            the host (not counted on the device; a CPU compute device ignores it).
+        optimizer: ``"adamw"``, ``"sgd"`` (momentum) or ``"sgd-nomomentum"``.
+        batch_size: sequences per data-parallel rank per step (``global / dp``), of the
+            profile's ``seq_len`` tokens each.
+
+    Example:
+        >>> cfg = PlanConfig(world_size=64, tp=8, dp_replicate=2, param_dtype=torch.bfloat16)
+        >>> cfg.dp_shard, cfg.dp
+        (4, 8)
+    """
+
+    world_size: int
+    tp: int = 1
+    dp_replicate: int = 1
+    blocks_per_group: int = 1
+    reshard_after_forward: bool = True
+    activation_checkpointing: bool = False
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    offload: bool = False
+    optimizer: str = "adamw"
+    batch_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "tp", "dp_replicate", "batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"PlanConfig: {name} must be a positive int, got {value!r}.")
+        if self.world_size % (self.tp * self.dp_replicate):
+            raise ValueError(
+                f"PlanConfig: world_size={self.world_size} is not divisible by tp * "
+                f"dp_replicate = {self.tp} * {self.dp_replicate}."
+            )
+        if self.blocks_per_group < 0:
+            raise ValueError(
+                f"PlanConfig: blocks_per_group must be >= 0, got {self.blocks_per_group}."
+            )
+        if self.optimizer not in _OPTIMIZER_STATES:
+            raise ValueError(
+                f"PlanConfig: optimizer must be one of {sorted(_OPTIMIZER_STATES)}, got "
+                f"{self.optimizer!r}."
+            )
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks one parameter is sharded over."""
+        return self.world_size // (self.tp * self.dp_replicate)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks (replicas times shards)."""
+        return self.world_size // self.tp
+
+    def describe(self) -> str:
+        """A short label, e.g. ``"hsdp 2x4 tp8 ac bf16"``.
+
+        Example:
+            >>> PlanConfig(world_size=8, tp=2).describe()
+            'fsdp 4 tp2'
+        """
+        parts = [
+            f"hsdp {self.dp_replicate}x{self.dp_shard}"
+            if self.dp_replicate > 1
+            else f"fsdp {self.dp_shard}"
+        ]
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}")
+        if self.blocks_per_group != 1:
+            parts.append(
+                "root-only" if self.blocks_per_group == 0 else f"{self.blocks_per_group}blk"
+            )
+        if not self.reshard_after_forward:
+            parts.append("keep-fwd")
+        if self.activation_checkpointing:
+            parts.append("ac")
+        if self.param_dtype is not None:
+            parts.append(_DTYPE_NAMES.get(self.param_dtype, str(self.param_dtype)))
+        if self.offload:
+            parts.append("offload")
+        return " ".join(parts)
+
+
+_OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "sgd-nomomentum": 0}
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+# --------------------------------------------------------------------------------- profile
+@dataclass
+class ParamInfo:
+    """One parameter: its name, global shape, dtype, whether it trains, its block (None:
+    the root's), the dim tensor parallelism shards (None: replicated or no plan), and when
+    its module first runs relative to the blocks (``"pre"``, ``"block"``, ``"post"``)."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    block: int | None
+    tp_dim: int | None = None
+    phase: str = "post"
+
+
+@dataclass
+class SavedTensor:
+    """One storage autograd saved in the traced forward (batch of one)."""
+
+    nbytes: int
+    region: int | None  # block index, or None outside the blocks
+    whole_under_tp: bool  # the input of a column-parallel module
+    phase: str  # "pre", "block", "post"
+
+
+@dataclass
+class ModelProfile:
+    """What the planner reads from a model once (``profile_model``).
+
+    Example:
+        >>> profile = profile_model(model, seq_len=128)
+        >>> profile.n_blocks, profile.num_params
+    """
+
+    params: list[ParamInfo]
+    n_blocks: int
+    seq_len: int
+    hidden: int
+    n_layers: int
+    saved: dict  # compute dtype -> list[SavedTensor] (batch 1, seq_len)
+    block_inputs: dict  # compute dtype -> bytes of one block's input (batch 1)
+    model: nn.Module = field(repr=False)
+    blocks: list = field(repr=False)
+    forward_fn: object = field(repr=False, default=None)
+    tp_plan: dict | None = field(repr=False, default=None)
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of the model (tied ones once)."""
+        return sum(math.prod(p.shape) for p in self.params)
+
+    def saved_for(self, dtype: torch.dtype) -> list[SavedTensor]:
+        """The activation trace in compute dtype ``dtype`` (traced on first use)."""
+        if dtype not in self.saved:
+            self.saved[dtype], self.block_inputs[dtype] = _trace_activations(
+                self.model, self.blocks, self.seq_len, dtype, self.forward_fn, self.tp_plan
+            )
+        return self.saved[dtype]
+
+
+def profile_model(
+    model: nn.Module,
+    *,
+    seq_len: int | None = None,
+    blocks=None,
+    tp_plan: dict | None = None,
+    forward_fn=None,
+) -> ModelProfile:
+    """Read ``model`` (best built under ``torch.device("meta")``) for the planner.
+
+    Args:
+        model: the model, unsharded. On meta nothing is allocated; a model with real
+            parameters is copied to meta for the activation trace.
+        seq_len: tokens per sequence (default: ``cfg.max_seq_len`` /
+            ``config.max_position_embeddings`` capped at 4096, else 2048).
+        blocks: the transformer blocks (default ``model.blocks`` / ``model.layers`` /
+            ``model.model.layers``), each one ``fully_shard`` group.
+        tp_plan: a ``parallelize_module`` plan, for layouts with ``tp > 1`` (the styles'
+            class names decide: ``ColwiseParallel`` shards a Linear's weight and bias on
+            dim 0 and an Embedding's on dim 1, ``RowwiseParallel`` a Linear's weight on
+            dim 1 and an Embedding's on dim 0).
+        forward_fn: ``forward_fn(model, idx) -> loss`` for the activation trace (default:
+            cross-entropy of the logits in fp32, as ``examples.gpt.gpt_loss``).
+
+    Raises:
+        ValueError: no blocks found, or a model without parameters.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = GPT(GPTConfig(dim=512, n_layers=8, n_heads=8))
+        >>> profile_model(model, seq_len=256).n_blocks
+        8
+    """
+    blocks = _find_blocks(model, blocks)
+    if seq_len is None:
+        seq_len = _default_seq_len(model)
+    meta = model
+    if not _on_meta(model):
+        meta, blocks = _copy_with_blocks(model, blocks)
+        meta = meta.to("meta")
+    block_of = {}
+    for i, b in enumerate(blocks):
+        for p in b.parameters():
+            block_of.setdefault(id(p), i)
+    tp_dims = _tp_dims(meta, tp_plan)
+    phases = _param_phases(meta, blocks, seq_len, forward_fn)
+    params, seen = [], set()
+    for name, p in meta.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        params.append(
+            ParamInfo(
+                fqn=name,
+                shape=tuple(p.shape),
+                dtype=p.dtype,
+                requires_grad=p.requires_grad,
+                block=block_of.get(id(p)),
+                tp_dim=tp_dims.get(id(p)),
+                phase=phases.get(id(p), "post"),
+            )
+        )
+    if not params:
+        raise ValueError("profile_model: the model has no parameters.")
+    hidden, n_layers = _hidden_and_layers(meta, blocks)
+    return ModelProfile(
+        params=params,
+        n_blocks=len(blocks),
+        seq_len=seq_len,
+        hidden=hidden,
+        n_layers=n_layers,
+        saved={},
+        block_inputs={},
+        model=meta,
+        blocks=blocks,
+        forward_fn=forward_fn,
+        tp_plan=tp_plan,
+    )
+
+
+def _find_blocks(model: nn.Module, blocks) -> list[nn.Module]:
+    if blocks is not None:
+        return list(blocks)
+    for path in ("blocks", "layers", "model.layers", "transformer.h"):
+        obj = model
+        for attr in path.split("."):
+            obj = getattr(obj, attr, None)
+        if isinstance(obj, (nn.ModuleList, nn.Sequential)):
+            return list(obj)
+    raise ValueError(
+        "profile_model: found no transformer blocks (model.blocks, model.layers, "
+        "model.model.layers or model.transformer.h); pass blocks=[...]."
+    )
+
+
+def _config_of(model):
+    return getattr(model, "cfg", None) or getattr(model, "config", None)
+
+
+def _default_seq_len(model) -> int:
+    cfg = _config_of(model)
+    for name in ("max_seq_len", "max_position_embeddings", "n_positions"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and value > 0:
+            return min(value, 4096)
+    return 2048
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return all(p.device.type == "meta" for p in model.parameters())
+
+
+def _copy_with_blocks(model: nn.Module, blocks, dtype=None):
+    """A deep copy of ``model`` (cast to ``dtype``) and its blocks, found by position."""
+    positions = {id(m): i for i, m in enumerate(model.modules())}
+    where = [positions[id(b)] for b in blocks]
+    clone = copy.deepcopy(model)
+    if dtype is not None:
+        clone = clone.to(dtype)
+    mods = list(clone.modules())
+    return clone, [mods[i] for i in where]
+
+
+def _hidden_and_layers(model, blocks) -> tuple[int, int]:
+    cfg = _config_of(model)
+    hidden = 0
+    for name in ("dim", "hidden_size", "n_embd", "d_model"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int):
+            hidden = value
+            break
+    if not hidden:  # the widest 2-D weight's smaller side
+        shapes = [p.shape for p in blocks[0].parameters() if p.ndim == 2]
+        hidden = min(max(shapes, key=math.prod)) if shapes else 0
+    return hidden, len(blocks)
+
+
+# --------------------------------------------------------------------------------- TP layout
+def _style_name(style) -> str:
+    return type(style).__name__
+
+
+def _matches(pattern: str, name: str) -> bool:
+    pa, na = pattern.split("."), name.split(".")
+    return len(pa) == len(na) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(pa, na))
+
+
+def _planned(model: nn.Module, tp_plan: dict | None):
+    """``(module name, module, style class name)`` of every module ``tp_plan`` names."""
+    if not tp_plan:
+        return []
+    out = []
+    for name, m in model.named_modules():
+        for pattern, style in tp_plan.items():
+            if name and _matches(pattern, name):
+                out.append((name, m, _style_name(style)))
+    return out
+
+
+def _tp_dims(model: nn.Module, tp_plan: dict | None) -> dict[int, int]:
+    """``{id(param): dim}`` tensor parallelism shards (PyTorch's Colwise/Rowwise rules)."""
+    dims: dict[int, int] = {}
+    for _name, m, style in _planned(model, tp_plan):
+        emb = isinstance(m, nn.Embedding)
+        for attr, p in m._parameters.items():
+            if p is None:
+                continue
+            if style == "ColwiseParallel":
+                dims[id(p)] = 1 if emb else 0
+            elif style == "RowwiseParallel" and (emb or attr == "weight"):
+                dims[id(p)] = 0 if emb else 1
+    return dims
+
+
+# --------------------------------------------------------------------------------- tracing
+def _default_forward(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    out = model(idx)
+    logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+    if logits is None:
+        logits = out[0]
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), idx.reshape(-1))
+
+
+def _vocab_size(model) -> int:
+    cfg = _config_of(model)
+    value = getattr(cfg, "vocab_size", None)
+    if isinstance(value, int):
+        return value
+    emb = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    return emb[0].num_embeddings if emb else 2
+
+
+@contextlib.contextmanager
+def _flash_attention():
+    """Trace ``F.scaled_dot_product_attention`` as the fused kernels save it (on meta the
+    math path would save the ``t x t`` attention matrix, which no real run keeps)."""
+    original = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        if q.device.type != "meta" or attn_mask is not None or kw.get("enable_gqa"):
+            return original(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, **kw)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, scale=scale
+        )[0]
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _param_phases(model, blocks, seq_len: int, forward_fn) -> dict[int, str]:
+    """When each parameter's module first runs: before the blocks, in them, or after."""
+    # cheap: a forward of the meta model at batch 1, in its own dtype, no autograd
+    phases: dict[int, str] = {}
+    state = {"phase": "pre"}
+    block_ids = {id(b) for b in blocks}
+    handles = []
+
+    def pre(module, args):
+        if id(module) in block_ids:
+            state["phase"] = "block"
+        for p in module.parameters(recurse=False):
+            phases.setdefault(id(p), state["phase"])
+
+    def post(module, args, out):
+        if id(module) in block_ids:
+            state["phase"] = "post"
+
+    for m in model.modules():
+        handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    try:
+        idx = torch.zeros((1, seq_len), dtype=torch.long, device="meta")
+        with torch.no_grad(), _flash_attention():
+            (forward_fn or _default_forward)(model, idx)
+    finally:
+        for h in handles:
+            h.remove()
+    return phases
+
+
+def _trace_activations(model, blocks, seq_len, dtype, forward_fn, tp_plan):
+    """Every storage autograd saves in one forward at batch 1 in ``dtype``, tagged with
+    the block (or none) it was saved in; and the bytes of one block's input."""
+    if any(p.dtype != dtype for p in model.parameters() if p.is_floating_point()):
+        model, blocks = _copy_with_blocks(model, blocks, dtype)
+    param_keys = {_storage_key(p) for p in model.parameters()}
+    col_inputs: set[int] = set()
+    region = {"block": None, "phase": "pre", "whole": False}
+    block_index = {id(b): i for i, b in enumerate(blocks)}
+    saved: dict[int, SavedTensor] = {}
+    block_input = [0]
+    handles = []
+
+    def block_pre(module, args):
+        region["block"] = block_index[id(module)]
+        region["phase"] = "block"
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if x is not None:
+            block_input[0] = x.numel() * x.element_size()
+
+    def block_post(module, args, out):
+        region["block"] = None
+        region["phase"] = "post"
+
+    def col_pre(module, args):
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                col_inputs.add(_storage_key(a))
+
+    for b in blocks:
+        handles += [b.register_forward_pre_hook(block_pre), b.register_forward_hook(block_post)]
+
+    def replicated_out(module, args, out):  # a module whose output every tp rank holds whole
+        region["whole"] = True
+
+    regather = False
+    for _name, m, style in _planned(model, tp_plan):
+        if style == "ColwiseParallel":
+            handles.append(m.register_forward_pre_hook(col_pre))
+    for pattern, style in (tp_plan or {}).items():
+        regather = regather or bool(getattr(style, "regather_in_backward", False))
+        layouts = getattr(style, "output_layouts", None)
+        layouts = layouts if isinstance(layouts, (tuple, list)) else (layouts,)
+        if any(type(pl).__name__ == "Replicate" for pl in layouts):
+            for name, m in model.named_modules():
+                if (
+                    name
+                    and _matches(pattern, name)
+                    and not any(m is b or _is_inside(m, b) for b in blocks)
+                ):
+                    handles.append(m.register_forward_hook(replicated_out))
+
+    def pack(t: torch.Tensor):
+        key = _storage_key(t)
+        if key not in param_keys and key not in saved:
+            saved[key] = SavedTensor(
+                t.untyped_storage().nbytes(), region["block"], region["whole"], region["phase"]
+            )
+        return t
+
+    try:
+        idx = torch.zeros((1, seq_len), dtype=torch.long, device="meta")
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _flash_attention():
+            (forward_fn or _default_forward)(model, idx)
+    finally:
+        for h in handles:
+            h.remove()
+    for key, s in saved.items():
+        s.whole_under_tp = s.whole_under_tp or (key in col_inputs and not regather)
+    return list(saved.values()), block_input[0]
+
+
+def _is_inside(m: nn.Module, block: nn.Module) -> bool:
+    return any(m is sub for sub in block.modules())
+
+
+# --------------------------------------------------------------------------------- layout
+@dataclass
+class GroupLayout:
+    """One ``fully_shard`` group on rank 0: its parameters' shard elements, the padded
+    elements of one rank's row of its collectives, and the unsharded (padded) elements.
+
+    Example:
+        >>> [g.shard_numel for g in estimate(profile, cfg).groups][:2]
+    """
+
+    name: str
+    params: list[ParamInfo]
+    shard_numel: int  # rank 0's elements at rest
+    row_numel: int  # padded elements one rank contributes to the group's all-gather
+    unsharded_numel: int  # padded elements of the gathered parameters (shard_size * row)
+    largest_shard_numel: int
+    itemsize: int  # of the parameters at rest
+
+
+def group_layouts(profile: ModelProfile, cfg: PlanConfig) -> list[GroupLayout]:
+    """The ``fully_shard`` groups of ``cfg`` (root first, then the blocks in order) with
+    rank 0's shard sizes, as ``fully_shard`` builds them (``torch.chunk`` rows of dim 0
+    of the tensor-parallel local tensor; ``tp`` chunks the tensor-parallel dim first).
+
+    Example:
+        >>> [g.name for g in group_layouts(profile, PlanConfig(world_size=8))][:2]
+        ['root', 'blocks[0]']
+    """
+    k = cfg.blocks_per_group
+    members: dict[str, list[ParamInfo]] = {"root": []}
+    for p in profile.params:
+        if p.block is None or k == 0:
+            members["root"].append(p)
+        else:
+            lo = p.block // k * k
+            hi = min(lo + k, profile.n_blocks) - 1
+            name = f"blocks[{lo}]" if hi == lo else f"blocks[{lo}-{hi}]"
+            members.setdefault(name, []).append(p)
+    out = []
+    for name, params in members.items():
+        if not params:
+            continue
+        shard = row = largest = 0
+        for p in params:
+            local = list(p.shape)
+            if cfg.tp > 1 and p.tp_dim is not None:
+                local[p.tp_dim] = chunk_sizes(local[p.tp_dim], cfg.tp)[0]
+            rows = local[0]
+            per_row = math.prod(local[1:])
+            mine = chunk_sizes(rows, cfg.dp_shard)[0] * per_row
+            shard += mine
+            largest = max(largest, mine)
+            row += padded_chunk_size(rows, cfg.dp_shard) * per_row
+        out.append(
+            GroupLayout(
+                name=name,
+                params=params,
+                shard_numel=shard,
+                row_numel=row,
+                unsharded_numel=row * cfg.dp_shard,
+                largest_shard_numel=largest,
+                itemsize=params[0].dtype.itemsize,
+            )
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------- estimate
+#: The memory tracker's categories (``fsdp2.tools.memory``), less its ``other`` (module
+#: buffers): ``temporaries`` are what backward and the optimizer step make and drop.
+CATEGORIES = (
+    "sharded_params",
+    "unsharded_params",
+    "sharded_grads",
+    "unsharded_grads",
+    "optimizer_state",
+    "activations",
+    "temporaries",
+    "comm_buffers",
+)
+
+
+@dataclass
+class Estimate:
+    """The planner's prediction for one configuration on one rank (rank 0).
+
+    Attributes:
+        config: the configuration.
+        peak_bytes: the predicted peak of live tensor bytes.
+        peak_phase: the moment of the peak (``"forward"``, ``"backward start"``,
+            ``"backward blocks[i]"``, ``"backward end"``, ``"root reduction"``,
+            ``"optimizer"``).
+        categories: bytes by category at the peak (``CATEGORIES``).
+        phases: ``{phase: {category: bytes}}`` for every moment considered.
+        groups: the ``fully_shard`` groups and their shard sizes.
+        collectives: ``{(kind, mesh dim): (count, bytes per rank)}`` for one step.
+        compute_s / comm_s / step_s: the step-cost model (seconds, see ``step_cost``).
+
+    Example:
+        >>> est = estimate(profile, PlanConfig(world_size=8))
+        >>> est.peak_phase, sorted(est.categories)[:2]
+    """
+
+    config: PlanConfig
+    peak_bytes: int
+    peak_phase: str
+    categories: dict
+    phases: dict
+    groups: list
+    collectives: dict
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    step_s: float = 0.0
+
+    @property
+    def peak_gib(self) -> float:
+        """``peak_bytes`` in GiB."""
+        return self.peak_bytes / GiB
+
+
+def estimate(
+    profile: ModelProfile, cfg: PlanConfig, hardware: Hardware = H100, *, device: str | None = None
+) -> Estimate:
+    """Predict ``cfg``'s per-rank peak memory, collectives and step time.
+
+    Args:
+        profile: from ``profile_model``.
+        cfg: the layout.
+        hardware: bandwidths and FLOP/s for the step cost (``H100`` or ``CPU``).
+        device: ``"cuda"`` or ``"cpu"``: the collective routes and reductions in flight
+            (default: ``hardware.device``).
+
+    Raises:
+        ValueError: a tensor-parallel ``cfg`` for a profile without ``tp_plan``.
+
+    Example:
+        >>> est = estimate(profile, PlanConfig(world_size=64, param_dtype=torch.bfloat16))
+        >>> f"{est.peak_gib:.1f} GiB at {est.peak_phase}"
+    """
+    device = device or hardware.device
+    if cfg.tp > 1 and not profile.tp_plan:
+        raise ValueError(
+            f"estimate: tp={cfg.tp} needs the profile's tp_plan (profile_model(..., "
+            "tp_plan=...)), which says which parameters tensor parallelism shards."
+        )
+    groups = group_layouts(profile, cfg)
+    mem = _memory(profile, cfg, groups, device)
+    peak_phase = max(mem, key=lambda ph: sum(mem[ph].values()))
+    est = Estimate(
+        config=cfg,
+        peak_bytes=int(sum(mem[peak_phase].values())),
+        peak_phase=peak_phase,
+        categories=dict(mem[peak_phase]),
+        phases=mem,
+        groups=groups,
+        collectives=collectives(profile, cfg, groups, device=device),
+    )
+    est.compute_s, est.comm_s, est.step_s = step_cost(profile, cfg, est, hardware)
+    return est
+
+
+def _memory(profile: ModelProfile, cfg: PlanConfig, groups, device: str) -> dict:
+    """``{phase: {category: bytes}}`` ([Note: the memory model])."""
+    b, tp = cfg.batch_size, cfg.tp
+    own = groups[0].params[0].dtype
+    compute = cfg.param_dtype or own
+    reduce_dtype = cfg.reduce_dtype or compute
+    c_item, r_item = compute.itemsize, reduce_dtype.itemsize
+    trivial = cfg.dp == 1 and compute == own
+    offloaded = cfg.offload and device != "cpu"
+    gloo = device == "cpu"
+    pending = 1 if gloo else 2  # CommContext.max_pending
+
+    root = groups[0] if groups[0].name == "root" else None
+    blocks = [g for g in groups if g.name != "root"]
+
+    def trains(g) -> bool:
+        return any(p.requires_grad for p in g.params)
+
+    # --- state at rest
+    sharded = sum(g.shard_numel * g.itemsize for g in groups)
+    trainable = sum(g.shard_numel * g.itemsize for g in groups if trains(g))
+    n_trained = sum(p.requires_grad for p in profile.params)
+    opt = _OPTIMIZER_STATES[cfg.optimizer] * trainable
+    if cfg.optimizer == "adamw":
+        opt += 4 * n_trained  # the step counters (0-d float32 tensors)
+    if device == "cpu":  # single-tensor AdamW: two temporaries of one shard at a time
+        opt_temp = 2 * max(g.largest_shard_numel * g.itemsize for g in groups)
+    else:  # multi-tensor AdamW: one temporary per shard
+        opt_temp = trainable
+    if cfg.optimizer != "adamw":
+        opt_temp = 0
+    if offloaded:
+        sharded = trainable_dev = opt = opt_temp = 0
+    else:
+        trainable_dev = trainable
+
+    def unsharded(g) -> int:
+        return 0 if trivial or g is None else g.unsharded_numel * c_item
+
+    def ugrads(g) -> int:
+        return 0 if g is None or not trains(g) else g.unsharded_numel * c_item
+
+    # --- activations (batch b), by region
+    saved = profile.saved_for(compute)
+
+    def act(s: SavedTensor) -> float:
+        return s.nbytes * b * (1.0 if s.whole_under_tp or tp == 1 else 1.0 / tp)
+
+    gathered = 0.0  # under tp: a gathered input, alive again while backward re-gathers it
+
+    per_block = [0.0] * profile.n_blocks
+    biggest = [0.0] * profile.n_blocks
+    pre = post = post_big = 0.0
+    for s in saved:
+        a = act(s)
+        if s.region is not None:
+            per_block[s.region] += a
+            biggest[s.region] = max(biggest[s.region], a)
+        elif s.phase == "pre":
+            pre += a
+        else:
+            post += a
+            post_big = max(post_big, a)
+    block_in = profile.block_inputs[compute] * b / tp  # sequence-sharded between blocks
+    if tp > 1:
+        gathered = block_in * tp
+    ac = cfg.activation_checkpointing
+    kept = [block_in] * profile.n_blocks if ac else per_block
+
+    # --- communication buffers
+    def direct(g, itemsize: int) -> bool:
+        return gloo and g.unsharded_numel * itemsize >= (1 << 20) * len(g.params)
+
+    def pooled(g, nbytes: int) -> int:
+        """A CPU buffer from the root's pool (groups of the blocks, whose shapes repeat)
+        is a whole number of huge pages with some headroom (``BufferPool.get``)."""
+        if not gloo or g is root:
+            return nbytes
+        return -(-(nbytes + (64 << 10)) // (2 << 20)) * (2 << 20)
+
+    def gather_buffers(g) -> int:
+        if trivial or g is None or direct(g, c_item):
+            return 0
+        rows_in = cfg.dp_shard if gloo else 1  # the all-to-all sends one copy per peer
+        return pooled(g, rows_in * g.row_numel * c_item) + pooled(
+            g, cfg.dp_shard * g.row_numel * c_item
+        )
+
+    def reduce_buffers(g) -> int:
+        """What one reduction in flight holds besides the unsharded gradients."""
+        if trivial or g is None or not trains(g):
+            return 0
+        width = (g.row_numel + len(g.params)) * r_item  # values, then one flag each
+        if direct(g, r_item):
+            cast = g.unsharded_numel * r_item if r_item != c_item else 0
+            return pooled(g, (cfg.dp_shard - 1) * width) + cast
+        rows = pooled(g, cfg.dp_shard * width)  # the gradient rows, cast on the way
+        if gloo:  # the all-to-all receives as many
+            return 2 * rows
+        return rows + width
+
+    def held_grads(g) -> int:
+        """Unsharded gradients a reduction in flight still holds (a cast copy replaces
+        them on the direct route; the staged route copied them into its rows)."""
+        if trivial or g is None or not trains(g):
+            return 0
+        if direct(g, r_item) and r_item == c_item:
+            return ugrads(g)
+        return 0
+
+    ref = max(blocks, key=lambda g: g.unsharded_numel) if blocks else root
+    root_u = unsharded(root)
+    if not blocks:
+        in_flight = 0
+    elif cfg.reshard_after_forward:
+        in_flight = sum(unsharded(g) for g in blocks[-2:])
+    else:
+        in_flight = sum(unsharded(g) for g in blocks)
+    after_forward = 0 if cfg.reshard_after_forward else sum(unsharded(g) for g in blocks)
+
+    # the root's gradients: those of modules that ran after the blocks exist from the
+    # start of backward (the head), the others only at its end (the embeddings)
+    root_post = 0
+    if root is not None:
+        share = sum(math.prod(p.shape) for p in root.params if p.phase == "post")
+        total = sum(math.prod(p.shape) for p in root.params) or 1
+        root_post = int(ugrads(root) * share / total)
+
+    grads_key = "sharded_grads" if trivial else "unsharded_grads"
+    phases = {
+        "forward": {
+            "unsharded_params": root_u + after_forward,
+            "activations": pre + sum(kept) + post,
+            "comm_buffers": gather_buffers(ref),
+        },
+        "backward start": {
+            "unsharded_params": root_u + in_flight,
+            grads_key: root_post,
+            "activations": pre + sum(kept) + post,
+            "temporaries": 2 * post_big,
+            "comm_buffers": gather_buffers(ref),
+        },
+    }
+
+    def shards(gs) -> int:
+        return 0 if offloaded else sum(g.shard_numel * g.itemsize for g in gs if trains(g))
+
+    # backward, block by block (last to first): the block computing and the one prefetched
+    # are unsharded, the blocks after it are reduced (but the `pending` latest, whose
+    # reductions are in flight), the blocks before it still hold their activations
+    for i in range(len(blocks) - 1, -1, -1):
+        queued = blocks[i + 1 : i + 1 + pending]
+        if cfg.reshard_after_forward:
+            gathered_now = sum(unsharded(g) for g in blocks[max(i - 1, 0) : i + 1])
+        else:
+            gathered_now = sum(unsharded(g) for g in blocks[: i + 1])
+        if trivial:  # gradients land in .grad at once, whole
+            grads = {"sharded_grads": root_post + sum(ugrads(g) for g in blocks[i:])}
+        else:
+            grads = {
+                "sharded_grads": shards(blocks[i + 1 + pending :]),
+                "unsharded_grads": root_post
+                + ugrads(blocks[i])
+                + sum(held_grads(g) for g in queued),
+            }
+        # backward's working set in a block: the gradients of its input and output, and of
+        # its largest intermediate (twice); the recomputed block under checkpointing
+        phases[f"backward {blocks[i].name}"] = {
+            "unsharded_params": root_u + gathered_now,
+            **grads,
+            "activations": pre + sum(kept[:i]) + (0 if ac else per_block[i]),
+            "temporaries": 2 * biggest[i] + 2 * block_in + gathered + (per_block[i] if ac else 0),
+            "comm_buffers": gather_buffers(ref) + sum(reduce_buffers(g) for g in queued),
+        }
+    if root is not None:
+        # the modules before the blocks (embeddings) run backward: the first blocks'
+        # reductions still in flight; their dense gradient is built, then accumulated
+        queued = blocks[:pending]
+        pre_grads = ugrads(root) - root_post
+        if trivial:
+            grads = {"sharded_grads": ugrads(root) + sum(ugrads(g) for g in blocks)}
+        else:
+            grads = {
+                "sharded_grads": shards(blocks[pending:]),
+                "unsharded_grads": ugrads(root) + sum(held_grads(g) for g in queued),
+            }
+        phases["backward end"] = {
+            "unsharded_params": root_u,
+            **grads,
+            "activations": pre,
+            "temporaries": pre_grads,
+            "comm_buffers": sum(reduce_buffers(g) for g in queued),
+        }
+        if not trivial and trains(root):
+            # the root's own reduction, last: every block reduced, the root resharded
+            phases["root reduction"] = {
+                "sharded_grads": shards(blocks),
+                "unsharded_grads": held_grads(root),
+                "temporaries": root.row_numel * r_item,
+                "comm_buffers": reduce_buffers(root),
+            }
+    phases["optimizer"] = {
+        "sharded_grads": trainable_dev,
+        "optimizer_state": opt,
+        "temporaries": opt_temp,
+    }
+    out = {}
+    for ph, cats in phases.items():
+        row = {c: 0 for c in CATEGORIES}
+        row["sharded_params"] = sharded
+        if ph != "optimizer":
+            row["optimizer_state"] = opt
+        for c, v in cats.items():
+            row[c] = int(v)
+        out[ph] = row
+    return out
+
+
+# --------------------------------------------------------------------------------- collectives
+def collectives(profile: ModelProfile, cfg: PlanConfig, groups=None, *, device: str = "cuda"):
+    """``{(kind, mesh dim name): (count, bytes per rank)}`` of the collectives of one
+    forward and backward of ``cfg``, as ``CommDebugMode`` records them (bytes: what one
+    rank contributes). The counting is the communication ledger's analytic model
+    (``fsdp2.tools.comm_model``), fed the planner's groups: FSDP's always; tensor
+    parallelism's for ``examples.gpt``'s plan (``TransformerTP``) without activation
+    checkpointing (the recomputed forward's are not modelled there), else left out.
+
+    Example:
+        >>> count, nbytes = collectives(profile, PlanConfig(world_size=8))[("all_gather", "dp_shard")]
+        >>> count                          # per block: forward and backward; the root once
+        2 * profile.n_blocks + 1
+    """
+    from fsdp2.tools.comm_model import expected_step_comms
+
+    specs = group_specs(profile, cfg, groups, device=device)
+    return expected_step_comms(specs, tp=transformer_tp(profile, cfg)).by_mesh_dim()
+
+
+def transformer_tp(profile: ModelProfile, cfg: PlanConfig):
+    """The ledger's ``TransformerTP`` for ``cfg`` when it applies: ``tp > 1``, no
+    activation checkpointing, and a model laid out by ``examples.gpt.tp_plan`` (a GPT with
+    token and position embeddings, LayerNorms); else None.
+
+    Example:
+        >>> transformer_tp(profile, PlanConfig(world_size=8, tp=2)).tp_size
+        2
+    """
+    from fsdp2.tools.comm_model import TransformerTP
+
+    model_cfg = _config_of(profile.model)
+    is_gpt = type(profile.model).__name__ == "GPT" and hasattr(model_cfg, "tie_weights")
+    if cfg.tp == 1 or cfg.activation_checkpointing or not is_gpt:
+        return None
+    return TransformerTP(
+        n_layers=profile.n_blocks,
+        batch=cfg.batch_size,
+        seq=profile.seq_len,
+        dim=profile.hidden,
+        vocab=_vocab_size(profile.model),
+        tp_size=cfg.tp,
+        dtype=cfg.param_dtype or profile.params[0].dtype,
+        bias=bool(getattr(model_cfg, "bias", True)),
+    )
+
+
+def group_specs(profile: ModelProfile, cfg: PlanConfig, groups=None, *, device: str = "cuda"):
+    """The planner's groups as ``comm_model.GroupSpec`` (the tensor-parallel local shapes,
+    the mesh dims named as ``parallelize_transformer`` names them).
+
+    Example:
+        >>> [g.shard_size for g in group_specs(profile, PlanConfig(world_size=8))][:1]
+        [8]
+    """
+    from fsdp2.tools.comm_model import GroupSpec, ParamSpec
+
+    groups = groups or group_layouts(profile, cfg)
+    specs = []
+    for g in groups:
+        params = []
+        for p in g.params:
+            local = list(p.shape)
+            if cfg.tp > 1 and p.tp_dim is not None:
+                local[p.tp_dim] = chunk_sizes(local[p.tp_dim], cfg.tp)[0]
+            params.append(ParamSpec(tuple(local), p.dtype, p.requires_grad))
+        is_root = g.name == "root"
+        specs.append(
+            GroupSpec(
+                params,
+                shard_size=cfg.dp_shard,
+                mesh_dim="dp_shard",
+                replicate_size=cfg.dp_replicate,
+                replicate_mesh_dim="dp_replicate" if cfg.dp_replicate > 1 else None,
+                reshard_after_forward=cfg.reshard_after_forward and not is_root,
+                param_dtype=cfg.param_dtype,
+                reduce_dtype=cfg.reduce_dtype,
+                name=g.name,
+                device_type="cpu" if device == "cpu" else "cuda",
+                backend="gloo" if device == "cpu" else "nccl",
+            )
+        )
+    return specs
+
+
+# --------------------------------------------------------------------------------- cost
+def step_cost(
+    profile: ModelProfile, cfg: PlanConfig, est: Estimate, hw: Hardware
+) -> tuple[float, float, float]:
+    """``(compute, communication, step)`` seconds of one step on ``hw``.
+
+    Compute: ``6 N T + 12 L d s T`` FLOPs for ``T`` tokens per data-parallel rank (``N``
+    parameters, ``L`` layers, width ``d``, sequence ``s``), ``2 N T`` more with activation
+    checkpointing (one more forward), split over ``tp`` ranks, at ``hw.flops *
+    hw.efficiency``. Communication: ring collectives move ``(n - 1) / n`` of the gathered
+    size per rank, at the intra-node bandwidth while the group fits in a node (the mesh
+    puts ``tp`` innermost, then ``dp_shard``, then ``dp_replicate``), else the inter-node.
+    FSDP's gathers and reductions overlap compute; tensor parallelism's do not (the
+    ledger's ``TransformerTP`` when it applies, else two all-gathers and two
+    reduce-scatters of a block's activations per forward, as many in backward, and again
+    in a recomputed forward). Step = ``max(compute, fsdp) + tp +`` the
+    first gather, which nothing hides.
+
+    Example:
+        >>> compute, comm, step = step_cost(profile, cfg, estimate(profile, cfg), H100)
+    """
+    tokens = cfg.batch_size * profile.seq_len
+    n = profile.num_params
+    flops = 6 * n * tokens + 12 * profile.n_layers * profile.hidden * profile.seq_len * tokens
+    if cfg.activation_checkpointing:
+        flops += 2 * n * tokens
+    compute = flops / cfg.tp / (hw.flops * hw.efficiency)
+
+    def bw(span: int) -> float:
+        return hw.intra_node_bw if span <= hw.devices_per_node else hw.inter_node_bw
+
+    shard_span = cfg.tp * cfg.dp_shard
+    fsdp = 0.0
+    first = 0.0
+    for (kind, dim), (count, nbytes) in est.collectives.items():
+        if dim == "dp_shard":
+            size = cfg.dp_shard
+            moved = nbytes * (size - 1) if kind == "all_gather" else nbytes * (size - 1) / size
+            fsdp += moved / bw(shard_span)
+            if kind == "all_gather" and count:
+                first = max(first, moved / count / bw(shard_span))
+        elif dim == "dp_replicate":
+            size = cfg.dp_replicate
+            fsdp += 2 * nbytes * (size - 1) / size / bw(cfg.world_size)
+    tp_s = 0.0
+    tp_known = [(kind, v) for (kind, dim), v in est.collectives.items() if dim == "tp"]
+    for kind, (_count, nbytes) in tp_known:  # the ledger's TransformerTP, when it applies
+        k = cfg.tp
+        moved = {"all_gather": nbytes * (k - 1), "reduce_scatter": nbytes * (k - 1) / k}
+        tp_s += moved.get(kind, 2 * nbytes * (k - 1) / k) / bw(cfg.tp)
+    if cfg.tp > 1 and not tp_known:
+        act = tokens * profile.hidden * (cfg.param_dtype or torch.float32).itemsize
+        passes = 3 if cfg.activation_checkpointing else 2
+        per_block = 4 * act * (cfg.tp - 1) / cfg.tp
+        tp_s = passes * per_block * profile.n_layers / bw(cfg.tp)
+    return compute, fsdp + tp_s, max(compute, fsdp) + tp_s + first
+
+
+# --------------------------------------------------------------------------------- ranking
+def rank_configs(
+    profile: ModelProfile,
+    world_size: int,
+    budget_bytes: int | None = None,
+    *,
+    hardware: Hardware = H100,
+    global_batch: int | None = None,
+    tp_degrees=(1, 2, 4, 8),
+    replicate_degrees=None,
+    blocks_per_group=(1, 2, 0),
+    reshard_after_forward=(True, False),
+    activation_checkpointing=(False, True),
+    base: PlanConfig | None = None,
+) -> tuple[list[Estimate], list[Estimate]]:
+    """Every layout of ``world_size`` ranks, estimated: ``(fits, too_big)``, those whose
+    peak fits ``budget_bytes`` first, each list ordered by predicted step time.
+
+    The global batch (sequences per step, default ``world_size``) is held fixed, so every
+    layout does the same work: a layout whose data-parallel size does not divide it is
+    skipped. ``tp`` stays within a node and divides the heads when the config names them.
+
+    Example:
+        >>> fits, too_big = rank_configs(profile, 64, 80 * 10**9, tp_degrees=(1, 8))
+        >>> fits[0].config.describe(), f"{fits[0].peak_gib:.1f} GiB"
+    """
+    budget = budget_bytes if budget_bytes is not None else hardware.memory
+    base = base or PlanConfig(world_size=world_size)
+    global_batch = global_batch or world_size
+    heads = _heads(profile.model)
+    out = []
+    for tp in tp_degrees:
+        if world_size % tp or tp > hardware.devices_per_node:
+            continue
+        if tp > 1 and (not profile.tp_plan or (heads and heads % tp)):
+            continue
+        dp = world_size // tp
+        if global_batch % dp:
+            continue
+        reps = replicate_degrees or [r for r in _divisors(dp) if r == 1 or dp // r >= 2]
+        for rep, k, raf, ac in itertools.product(
+            reps, blocks_per_group, reshard_after_forward, activation_checkpointing
+        ):
+            if dp % rep:
+                continue
+            if k == 0 and not raf:
+                continue  # root-only keeps its parameters anyway
+            cfg = replace(
+                base,
+                world_size=world_size,
+                tp=tp,
+                dp_replicate=rep,
+                blocks_per_group=k,
+                reshard_after_forward=raf,
+                activation_checkpointing=ac,
+                batch_size=global_batch // dp,
+            )
+            out.append(estimate(profile, cfg, hardware))
+    fits = [e for e in out if budget is None or e.peak_bytes <= budget]
+    rest = [e for e in out if not (budget is None or e.peak_bytes <= budget)]
+    return sorted(fits, key=lambda e: e.step_s), sorted(rest, key=lambda e: e.peak_bytes)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _heads(model) -> int | None:
+    cfg = _config_of(model)
+    for name in ("n_heads", "num_attention_heads", "num_heads"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GB"`` -> 80e9 bytes, ``"24GiB"`` -> 24 * 2**30 (also ``"1.5TB"``, ``"512"``).
+
+    Raises:
+        ValueError: not a number followed by an optional unit.
+
+    Example:
+        >>> parse_bytes("80GB"), parse_bytes("1GiB")
+        (80000000000, 1073741824)
+    """
+    s = str(text).strip().upper().replace(" ", "")
+    num = s.rstrip("KMGTIB")
+    unit = s[len(num) :]
+    try:
+        value = float(num)
+    except ValueError:
+        value = None
+    if value is None or unit not in _UNITS or value < 0:
+        raise ValueError(f"parse_bytes: expected a size such as '80GB' or '24GiB', got {text!r}.")
+    return int(value * _UNITS[unit])
