@@ -273,6 +273,7 @@ def _records_fsdp_scopes():
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+
     def last_seq():
         entries = debug.flight_record(mesh.get_group())
         return int(entries[-1].split()[0][1:]) if entries else -1
