@@ -451,14 +451,19 @@ class FSDPParam:
         else:
             self.accumulated_grad += grad
 
+    def _pop_unsharded_grad(self) -> torch.Tensor | None:
+        """Detach the unsharded parameter's ``.grad`` (None when there is none) and return it."""
+        if self.unsharded_param is None:
+            return None
+        with internal():
+            grad = self.unsharded_param.grad
+            self.unsharded_param.grad = None
+        return grad
+
     def take_unsharded_grad(self) -> torch.Tensor | None:
         """Detach and return the gradient to reduce: the unsharded parameter's, plus what
         no-sync backwards accumulated."""
-        grad = None
-        if self.unsharded_param is not None:
-            with internal():
-                grad = self.unsharded_param.grad
-                self.unsharded_param.grad = None
+        grad = self._pop_unsharded_grad()
         if grad is not None:
             grad = self._tp_local_grad(grad)
         acc, self.accumulated_grad = self.accumulated_grad, None
@@ -478,11 +483,7 @@ class FSDPParam:
         gradients. A micro-batch without a gradient is a leaf too (``None``), so the
         grouping of the others does not shift.
         """
-        grad = None
-        if self.unsharded_param is not None:
-            with internal():
-                grad = self.unsharded_param.grad
-                self.unsharded_param.grad = None
+        grad = self._pop_unsharded_grad()
         if grad is not None:
             grad = self._tp_local_grad(grad).to(dtype)
         leaves = self.grad_leaves

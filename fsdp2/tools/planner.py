@@ -77,6 +77,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtensor.placement import chunk_sizes, padded_chunk_size
+from fsdp2.tools.memory import CATEGORIES as _TRACKER_CATEGORIES
 
 logger = logging.getLogger(__name__)
 
@@ -704,16 +705,7 @@ def group_layouts(profile: ModelProfile, cfg: PlanConfig) -> list[GroupLayout]:
 # --------------------------------------------------------------------------------- estimate
 #: The memory tracker's categories (``fsdp2.tools.memory``), less its ``other`` (module
 #: buffers): ``temporaries`` are what backward and the optimizer step make and drop.
-CATEGORIES = (
-    "sharded_params",
-    "unsharded_params",
-    "sharded_grads",
-    "unsharded_grads",
-    "optimizer_state",
-    "activations",
-    "temporaries",
-    "comm_buffers",
-)
+CATEGORIES = tuple(c for c in _TRACKER_CATEGORIES if c != "other")
 
 
 @dataclass
