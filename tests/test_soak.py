@@ -34,12 +34,12 @@ def test_nothing_grows_over_60_steps_and_3_checkpoints(layout, tmp_path):
 def test_problems_names_what_grew():
     same = {k: 1000 for k in (*soak.EXACT, *soak.WITHIN_1PCT)}
     same.update(objects=10, by_type={"builtins.dict": 5})
-    grown = dict(same, threads=1001, rss_bytes=1020, objects=12)
+    grown = dict(same, threads=1001, rss_bytes=1020, rss_trimmed_bytes=1020, objects=12)
     grown["by_type"] = {"builtins.dict": 7}
     found = soak.problems({"points": {"10": same, "60": grown}}, 10, 60)
     assert found == [
         "threads: 1000 -> 1001",
-        "rss_bytes: 1,000 -> 1,020 (+2.00%)",
+        "rss_trimmed_bytes: 1,000 -> 1,020 (+2.00%)",
         "objects: 10 -> 12 (builtins.dict +2)",
     ]
     assert soak.problems({"points": {"10": same, "60": dict(same)}}, 10, 60) == []
