@@ -536,14 +536,8 @@ class MemoryTracker:
             stats.before_forward = now
         self._in_forward.append((name, now))
         if phase == "forward":
-            tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
-            tensors = [t for t in tensors if t.requires_grad]
-            if tensors:  # the module's backward ends when its inputs' gradients exist
-                self._grad_handles.append(
-                    register_multi_grad_hook(
-                        tensors, self._backward_end(name, id(module) in self._walked), mode="any"
-                    )
-                )
+            # the module's backward ends when its inputs' gradients exist
+            self._on_first_grad(args, self._backward_end(name, id(module) in self._walked))
 
     def _post_forward(self, module, args, output) -> None:
         if self._mode is None or not self._in_forward:
@@ -557,14 +551,15 @@ class MemoryTracker:
         if self.phase != "forward":
             return  # a recomputation (activation checkpointing) inside backward
         stats.after_forward = self._current()
-        tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
-        tensors = [t for t in tensors if t.requires_grad]
-        if tensors:  # the module's backward starts when its outputs' gradients exist
-            self._grad_handles.append(
-                register_multi_grad_hook(
-                    tensors, self._backward_start(name, id(module) in self._walked), mode="any"
-                )
-            )
+        # the module's backward starts when its outputs' gradients exist
+        self._on_first_grad(output, self._backward_start(name, id(module) in self._walked))
+
+    def _on_first_grad(self, tree, callback) -> None:
+        """Call ``callback`` once the first gradient of ``tree``'s tensors that require one
+        exists (nothing when none does)."""
+        tensors = [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            self._grad_handles.append(register_multi_grad_hook(tensors, callback, mode="any"))
 
     def _backward_start(self, name: str, walk: bool):
         def hook(grads) -> None:
