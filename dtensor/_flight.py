@@ -427,6 +427,7 @@ class _Watchdog(threading.Thread):
         self.poll = min(1.0, max(0.05, timeout / 8))
         self.published = -1
         self.last_read: dict[int, dict] = {}  # peers' states as last read (the store may die)
+        self._last_bytes: dict[int, bytes] = {}  # ... and the bytes they were read from
         self.since: dict[tuple, float] = {}  # (group, my seq, peer, its seq) -> first seen
         self._halt = threading.Event()
         self.publish()  # at once: peers can name this process (pid, host) even if it dies soon
@@ -494,8 +495,11 @@ class _Watchdog(threading.Thread):
         key = f"state/{rank}"
         if not self.store.check([key]):
             return None
-        state = pickle.loads(self.store.get(key))
-        self.last_read[rank] = state
+        raw = self.store.get(key)
+        if self._last_bytes.get(rank) == raw:  # unchanged (a rank at rest): the same objects,
+            return self.last_read[rank]  # not a new copy every poll
+        state = pickle.loads(raw)
+        self.last_read[rank], self._last_bytes[rank] = state, raw
         return state
 
     def verdict(self, name: str, ranks, why: str) -> None:

@@ -252,6 +252,41 @@ def test_analysis_names_the_rank_behind_and_where_ranks_diverge():
     assert "rank(s) [1] published no record of group 7" in text
 
 
+class _DictStore:
+    """The two calls of a c10d store the watchdog's ``read`` makes, over a dict."""
+
+    def __init__(self):
+        self.data = {}
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def get(self, key):
+        return self.data[key]
+
+
+def test_an_unchanged_peer_state_is_read_once():
+    # a rank at rest publishes the same bytes poll after poll: unpickling them each time made
+    # new tuples of plain values, which the collector tracks until its next collection (the
+    # soak counted them as ~100 objects that came and went)
+    import pickle
+    from types import SimpleNamespace
+
+    from dtensor import _flight
+
+    store = _DictStore()
+    watchdog = SimpleNamespace(store=store, last_read={}, _last_bytes={})
+    step = [("all_gather", "fsdp a"), ("reduce_scatter", "fsdp a")]
+    assert _flight._Watchdog.read(watchdog, 1) is None  # nothing published yet
+    store.data["state/1"] = pickle.dumps(_state(step[:1]))
+    first = _flight._Watchdog.read(watchdog, 1)
+    assert _flight._Watchdog.read(watchdog, 1) is first  # the same objects, not a new copy
+    store.data["state/1"] = pickle.dumps(_state(step))
+    second = _flight._Watchdog.read(watchdog, 1)
+    assert second is not first and second == _state(step)
+    assert watchdog.last_read[1] is second
+
+
 def test_bad_settings_are_clear_errors():
     with pytest.raises(ValueError, match="expected a number of seconds >= 0 or None"):
         debug.set_collective_timeout(-1)
