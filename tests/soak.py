@@ -23,13 +23,13 @@ What is held to 1% is the trimmed RSS, the memory the process uses. Raw RSS also
 free heap glibc keeps, which moves either way with where the last free chunks sit (one run:
 -1.01% on one rank, +2.38% on the other); it is printed, not judged.
 
-PyTorch's own c10d flight recorder (``TORCH_FR_BUFFER_SIZE`` / ``TORCH_NCCL_TRACE_BUFFER_SIZE``,
+PyTorch's own c10d flight recorder (``TORCH_FR_BUFFER_SIZE``, formerly ``TORCH_NCCL_TRACE_BUFFER_SIZE``,
 recording every collective, gloo's included) fills a bounded ring of entries as a run goes:
 measured alone, a plain ``dist.all_reduce`` loop grows RSS by about 0.5 KB a call until the
 ring is full, and a soak with it on grows the trimmed RSS by 0.8-1.0% between step 10 and
 step 1,000 (bounded, not a leak; with it at 0, +0.09% / +0.11%). The library records its
 collectives itself (``dtensor.debug``'s flight recorder), so the soak runs its workers with
-PyTorch's ring off (``TORCH_NCCL_TRACE_BUFFER_SIZE=0`` unless set) to see what repeats.
+PyTorch's ring off (``TORCH_FR_BUFFER_SIZE=0`` unless set) to see what repeats.
 
 A run saves a checkpoint after step 1 (with the optimizer's state) and measures itself once
 there (``--cold`` skips both): one-time caches then fill before step 10 - the ABCs'
@@ -114,16 +114,33 @@ def _type_name(o) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
-def _steady_object_count(first: int) -> int:
-    """The object count with the collective watchdog thread at rest: while it waits between
-    polls its ``Event.wait`` holds a waiter lock and a bound method (2 objects) that exist
-    only while it waits, so one count can land in its brief work between waits. The most of
-    a few counts ~2 ms apart is the resting figure."""
-    counts = [first]
-    for _ in range(4):
+def _resting_objects() -> list:
+    """Every object the collector tracks, taken with the process at rest.
+
+    Two things move the count without anything growing. The collector stops tracking a
+    tuple of plain values (numbers, strings) only when a collection looks at it, so tuples
+    made since the last collection count and the same tuples a moment later do not; the
+    collective watchdog (``dtensor/_flight.py``) makes such tuples whenever it reads a peer's
+    changed state, which happens in the second or two after a step's last collective. And
+    the watchdog's own work between polls holds a few objects only while it runs (its
+    ``Event.wait`` a waiter lock and a bound method, its step a copy of the records). So
+    the count is taken right after a full collection, again ~2 ms later and again, until
+    three counts agree: that is the resting figure, and the objects returned are the take
+    that made it three. (A collection of the youngest generation alone would be faster
+    but leaves tracked a dict or tuple that became untrackable after it grew older; one
+    such dict failed the fast soak test.)
+    """
+    seen: collections.Counter = collections.Counter()
+    for _ in range(9):
+        gc.collect()
+        objects = gc.get_objects()
+        seen[len(objects)] += 1
+        if seen[len(objects)] == 3:
+            return objects
+        del objects
         time.sleep(0.002)
-        counts.append(len(gc.get_objects()))
-    return max(counts)
+    gc.collect()
+    return gc.get_objects()  # never at rest: the count shows what moved
 
 
 def snapshot() -> dict:
@@ -141,8 +158,7 @@ def snapshot() -> dict:
     tensor_bytes = live_tensor_bytes(objects)
     # counted after: the storage objects that measuring made live on with their storages
     del objects
-    gc.collect()
-    objects = gc.get_objects()
+    objects = _resting_objects()
     by_type = collections.Counter(_type_name(o) for o in objects)
     figures = {
         "tensor_bytes": tensor_bytes,
@@ -151,7 +167,7 @@ def snapshot() -> dict:
         "process_groups": len(dist.distributed_c10d._world.pg_map),
         "threads": len(os.listdir("/proc/self/task")),
         "open_files": len(os.listdir("/proc/self/fd")),
-        "objects": _steady_object_count(len(objects)),
+        "objects": len(objects),
         "workspace_buffers": sum(len(o._buffers) for o in objects if type(o) is Workspace),
         "pool_buffers": sum(len(o._free) for o in objects if type(o) is BufferPool),
         "page_bank_regions": sum(len(o._held) for o in objects if type(o) is PageBank),
@@ -350,7 +366,7 @@ def main(argv=None) -> int:
     p.add_argument("--cold", action="store_true", help="no checkpoint at step 0 (module docstring)")
     args = p.parse_args(argv)
     # PyTorch's c10d flight recorder off in the workers (module docstring); before they start
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # end the workers on the way out
     console = Console()
     failed = False
