@@ -87,6 +87,24 @@ def _tally(prop: str, report: str, n_cases: int, world_size: int) -> list[str]:
     return outcomes
 
 
+@st.composite
+def _batches(draw, ws, case_args):
+    """A batch of 1..BATCH cases for world size ``ws``: each a mesh shape drawn for ``ws``
+    and the arguments ``case_args(mesh_shape)`` draws for it."""
+    cases = []
+    for _ in range(draw(st.integers(1, P.BATCH))):
+        mesh = draw(st.sampled_from(P.mesh_shapes(ws)))
+        cases.append((mesh, draw(case_args(mesh))))
+    return cases
+
+
+def _check_batch(tmp_path_factory, ws: int, batch_fn, cases, prop: str) -> None:
+    """Run one batch on ``ws`` ranks of the pool and count its cases under ``prop``."""
+    report = str(tmp_path_factory.mktemp(prop.split(":")[0]) / "outcomes.json")
+    run_on_ranks(ws, batch_fn, cases=cases, report=report, timeout_s=BATCH_TIMEOUT_S)
+    _tally(prop, report, len(cases), ws)
+
+
 def _expect_error(fn, expected: bool, what: str):
     """Run ``fn``; returns (result, None) or (None, "error: ...") for a clear error, which
     must happen exactly when ``expected`` (``None``: a clear error is allowed, not required;
@@ -164,21 +182,16 @@ def _layout_batch(cases, report):
 
 
 @st.composite
-def _layout_cases(draw, ws):
-    cases = []
-    for _ in range(draw(st.integers(1, P.BATCH))):
-        mesh = draw(st.sampled_from(P.mesh_shapes(ws)))
-        shape = draw(P.tensor_shapes())
-        src = draw(P.placements(len(mesh), len(shape), out_of_range=True))
-        dst = list(draw(P.placements(len(mesh), len(shape), out_of_range=True, partial=False)))
-        for m, p in enumerate(src):  # keep a partial (redistribute only ever reduces one)
-            if p[0] == "P" and draw(st.booleans()):
-                dst[m] = p
-        if draw(st.integers(0, 15)) == 5:  # now and then ask for a partial: an error
-            dst[draw(st.integers(0, len(mesh) - 1))] = ("P", draw(st.sampled_from(P.REDUCE_OPS)))
-        dst = tuple(dst)
-        cases.append((mesh, (shape, src, dst)))
-    return ws, cases
+def _layout_case_args(draw, mesh):
+    shape = draw(P.tensor_shapes())
+    src = draw(P.placements(len(mesh), len(shape), out_of_range=True))
+    dst = list(draw(P.placements(len(mesh), len(shape), out_of_range=True, partial=False)))
+    for m, p in enumerate(src):  # keep a partial (redistribute only ever reduces one)
+        if p[0] == "P" and draw(st.booleans()):
+            dst[m] = p
+    if draw(st.integers(0, 15)) == 5:  # now and then ask for a partial: an error
+        dst[draw(st.integers(0, len(mesh) - 1))] = ("P", draw(st.sampled_from(P.REDUCE_OPS)))
+    return shape, src, tuple(dst)
 
 
 @pytest.mark.timeout(P.TIMEOUT_S)
@@ -186,10 +199,9 @@ def _layout_cases(draw, ws):
 @given(data=st.data())
 @P.examples(8)
 def test_distribute_redistribute_from_local_round_trips(tmp_path_factory, ws, data):
-    _, cases = data.draw(_layout_cases(ws))
-    report = str(tmp_path_factory.mktemp("layout") / "outcomes.json")
-    run_on_ranks(ws, _layout_batch, cases=cases, report=report, timeout_s=BATCH_TIMEOUT_S)
-    _tally("layout: distribute/redistribute/from_local/full_tensor", report, len(cases), ws)
+    cases = data.draw(_batches(ws, _layout_case_args))
+    prop = "layout: distribute/redistribute/from_local/full_tensor"
+    _check_batch(tmp_path_factory, ws, _layout_batch, cases, prop)
 
 
 # ------------------------------------------------------------------------ partial sources
@@ -231,18 +243,14 @@ def _partial_batch(cases, report):
 
 
 @st.composite
-def _partial_cases(draw, ws):
-    cases = []
-    for _ in range(draw(st.integers(1, P.BATCH))):
-        mesh = draw(st.sampled_from(P.mesh_shapes(ws)))
-        shape = draw(P.tensor_shapes())
-        op = draw(st.sampled_from(P.REDUCE_OPS))
-        pl = list(draw(P.placements(len(mesh), len(shape), partial=False)))
-        for m in draw(st.sets(st.integers(0, len(mesh) - 1), min_size=1)):
-            pl[m] = ("P", op)
-        dst = draw(P.placements(len(mesh), len(shape), partial=False))
-        cases.append((mesh, (shape, tuple(pl), dst, draw(st.integers(0, 10**6)))))
-    return ws, cases
+def _partial_case_args(draw, mesh):
+    shape = draw(P.tensor_shapes())
+    op = draw(st.sampled_from(P.REDUCE_OPS))
+    pl = list(draw(P.placements(len(mesh), len(shape), partial=False)))
+    for m in draw(st.sets(st.integers(0, len(mesh) - 1), min_size=1)):
+        pl[m] = ("P", op)
+    dst = draw(P.placements(len(mesh), len(shape), partial=False))
+    return shape, tuple(pl), dst, draw(st.integers(0, 10**6))
 
 
 @pytest.mark.timeout(P.TIMEOUT_S)
@@ -250,10 +258,9 @@ def _partial_cases(draw, ws):
 @given(data=st.data())
 @P.examples(15)
 def test_partial_of_every_reduce_op_reduces_exactly(tmp_path_factory, ws, data):
-    _, cases = data.draw(_partial_cases(ws))
-    report = str(tmp_path_factory.mktemp("partial") / "outcomes.json")
-    run_on_ranks(ws, _partial_batch, cases=cases, report=report, timeout_s=BATCH_TIMEOUT_S)
-    _tally("partial: Partial(sum/avg/max/min) -> full_tensor/redistribute", report, len(cases), ws)
+    cases = data.draw(_batches(ws, _partial_case_args))
+    prop = "partial: Partial(sum/avg/max/min) -> full_tensor/redistribute"
+    _check_batch(tmp_path_factory, ws, _partial_batch, cases, prop)
 
 
 def test_partial_without_a_reduce_op_is_a_clear_error():
@@ -387,15 +394,6 @@ def _one_op(pl):
     return tuple(("P", ops[0]) if p[0] == "P" else p for p in pl)
 
 
-@st.composite
-def _op_cases(draw, ws):
-    cases = []
-    for _ in range(draw(st.integers(1, P.BATCH))):
-        mesh = draw(st.sampled_from(P.mesh_shapes(ws)))
-        cases.append((mesh, draw(_op_case_args(mesh))))
-    return ws, cases
-
-
 def _op_batch(cases, report):
     _run_batch(_op_case, cases, report, "ops")
 
@@ -405,10 +403,8 @@ def _op_batch(cases, report):
 @given(data=st.data())
 @P.examples(20)
 def test_op_rules_match_the_plain_tensor_op(tmp_path_factory, ws, data):
-    _, cases = data.draw(_op_cases(ws))
-    report = str(tmp_path_factory.mktemp("ops") / "outcomes.json")
-    run_on_ranks(ws, _op_batch, cases=cases, report=report, timeout_s=BATCH_TIMEOUT_S)
-    _tally("ops: pointwise/reduction/matmul/views", report, len(cases), ws)
+    cases = data.draw(_batches(ws, _op_case_args))
+    _check_batch(tmp_path_factory, ws, _op_batch, cases, "ops: pointwise/reduction/matmul/views")
 
 
 # ------------------------------------------------------------------------- checkpoints
