@@ -540,10 +540,13 @@ class DeviceMesh:
             >>> mesh["tp"]._resources() is mesh._resources()
             True
         """
-        root = self._get_root_mesh()
-        found = root.__dict__.get("_layer_resources")
-        if found is None:
-            found = root._layer_resources = {}
+        found = self.__dict__.get("_layer_resources")
+        if found is None:  # first call on this mesh object: find its root's (once: dtensor's
+            root = self._get_root_mesh()  # op dispatch asks on every op)
+            found = root.__dict__.get("_layer_resources")
+            if found is None:
+                found = root._layer_resources = {}
+            self._layer_resources = found
         return found
 
     # ----------------------------------------------------------------------------- copies

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -45,8 +46,43 @@ from dtensor.tensor import (
 logger = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-_CACHE: dict = {}
-_CACHE_LIMIT = 8192
+# [Note: dispatch caches live with their mesh] Both caches below (the pipeline's sharding
+# decisions and the fast path's call signatures) hold DTensorSpecs, and a spec holds its mesh,
+# which holds its process groups. Kept in module-level dicts they kept every mesh ever used
+# alive, with its groups, until 8,192 entries filled them (the soak saw a test pool's earlier
+# meshes freed in the middle of its run). So each root mesh keeps its own caches, in the
+# resources its layers keep with it (``DeviceMesh._resources``, shared by its slices): an
+# entry goes when its mesh does, as the rest of the mesh's runtime state.
+_LIMIT = 8192  # entries per cache of one root mesh; a full cache starts again empty
+_CACHES_KEY = "dtensor.dispatch"
+
+
+class _MeshCaches:
+    """One root mesh's dispatch caches."""
+
+    __slots__ = ("rules", "fast", "__weakref__")
+
+    def __init__(self) -> None:
+        self.rules: dict = {}  # pipeline cache key -> (OutputSharding, output metas)
+        self.fast: dict = {}  # call signature -> _Hit ([Note: the dispatch fast path])
+
+
+_ALL_CACHES: weakref.WeakSet = weakref.WeakSet()  # every mesh's, for clear_cache
+
+
+def _caches_of(mesh) -> _MeshCaches:
+    resources = mesh._resources()
+    caches = resources.get(_CACHES_KEY)
+    if caches is None:
+        caches = resources[_CACHES_KEY] = _MeshCaches()
+        _ALL_CACHES.add(caches)
+    return caches
+
+
+def _put(cache: dict, key, value) -> None:
+    if len(cache) >= _LIMIT:
+        cache.clear()
+    cache[key] = value
 
 
 def clear_cache() -> None:
@@ -55,8 +91,9 @@ def clear_cache() -> None:
     Example:
         >>> clear_cache()   # benchmarks time a cache miss this way
     """
-    _CACHE.clear()
-    _FAST.clear()
+    for caches in list(_ALL_CACHES):
+        caches.rules.clear()
+        caches.fast.clear()
 
 
 # Ops handled entirely by a function: fn(func, args, kwargs) -> result.
@@ -80,10 +117,10 @@ def dispatch(func, args, kwargs):
     if facts.custom is not None:
         return facts.custom(func, args, kwargs)
     if facts.fast:
-        key = _fast_key(func, args, kwargs)
+        key, mesh = _fast_key(func, args, kwargs)
         if key is not None:
             try:
-                hit = _FAST.get(key)
+                hit = _caches_of(mesh).fast.get(key)
             except TypeError:  # an unhashable argument (a symbolic size under tracing)
                 hit = None
             if hit is not None:
@@ -104,15 +141,15 @@ def dispatch_by_rule(func, args, kwargs):
     if not is_multi_tensor(func):
         leaves = _replicate_scalars(func, leaves)
     key = _cache_key(func, leaves, treespec)
-    cached = _CACHE.get(key) if key is not None else None
+    mesh = next((x._spec.mesh for x in leaves if isinstance(x, DTensor)), None)
+    rules = _caches_of(mesh).rules if key is not None and mesh is not None else None
+    cached = rules.get(key) if rules is not None else None
     if cached is None:
         if find_rule(func) is None:
             return _run_without_rule(func, leaves, treespec)
         cached = _propagate(func, leaves, treespec)
-        if key is not None:
-            if len(_CACHE) > _CACHE_LIMIT:
-                _CACHE.clear()
-            _CACHE[key] = cached
+        if rules is not None:
+            _put(rules, key, cached)
     sharding, out_meta = cached
     out = _run(func, args, leaves, treespec, sharding, out_meta)
     if key is not None:
@@ -472,8 +509,6 @@ def _no_rule_message(func, leaves, *, has_rule: bool = False) -> str:
 # check of the pipeline depends only on what the key holds, so a call that hits would have
 # passed them; the first call, which made the entry, did.
 
-_FAST: dict = {}
-_FAST_LIMIT = 8192
 _FACTS: dict = {}  # id(op) -> _OpFacts (the entry keeps the op alive, so the id stays its own)
 
 
@@ -510,12 +545,16 @@ class _Hit:
     __slots__ = ("func", "run", "dtensors", "moves", "outs", "seq", "inplace", "returns", "view")
 
 
+_NO_KEY = (None, None)
+
+
 def _fast_key(func, args, kwargs):
     """The call signature of ``func(*args, **kwargs)``: op, the first DTensor's mesh object,
     DTensor specs, non-tensor values and their types (``x * 2`` and ``x * 2.0`` differ in
-    dtype; an op whose rule is value-free keeps a number's type alone); None when the call
+    dtype; an op whose rule is value-free keeps a number's type alone); no key when the call
     has plain tensors, or tensors or containers inside a container. Every id in it belongs
-    to an object the entry keeps alive."""
+    to an object the entry keeps alive. Returned with that mesh (whose caches hold the
+    entry), or ``(None, None)``."""
     facts = _FACTS.get(id(func))
     free = facts is not None and facts.value_free
     parts = []
@@ -523,33 +562,35 @@ def _fast_key(func, args, kwargs):
     for a in args:
         if isinstance(a, torch.Tensor):
             if type(a) is not DTensor:
-                return None
+                return _NO_KEY
             spec = a._spec
             if mesh is None:
                 # the outputs live on the first input's mesh, that object: an equal mesh
                 # sliced from another root is another mesh to fsdp2 and tensor parallelism
-                mesh = id(spec.mesh)
+                mesh = spec.mesh
             parts.append(spec)
         elif isinstance(a, (list, tuple)):
             for v in a:
                 if isinstance(v, (torch.Tensor, list, tuple, dict)):
-                    return None
+                    return _NO_KEY
             values = tuple(None if free and type(v) in _NUMBERS else v for v in a)
             parts.append((type(a), values, tuple(map(type, a))))
         elif isinstance(a, dict):
-            return None
+            return _NO_KEY
         elif free and type(a) in _NUMBERS:
             parts.append((None, type(a)))
         else:
             parts.append((a, type(a)))
+    if mesh is None:
+        return _NO_KEY
     if not kwargs:
-        return (id(func), mesh, tuple(parts))
+        return (id(func), id(mesh), tuple(parts)), mesh
     named = []
     for k, v in kwargs.items():
         if isinstance(v, (torch.Tensor, list, tuple, dict)):
-            return None
+            return _NO_KEY
         named.append((k, None if free and type(v) in _NUMBERS else v, type(v)))
-    return (id(func), mesh, tuple(parts), tuple(named))
+    return (id(func), id(mesh), tuple(parts), tuple(named)), mesh
 
 
 def _remember_hit(func, args, kwargs, leaves, sharding: OutputSharding, out) -> None:
@@ -557,7 +598,7 @@ def _remember_hit(func, args, kwargs, leaves, sharding: OutputSharding, out) -> 
     facts = _FACTS.get(id(func))
     if facts is None or not facts.fast:
         return
-    key = _fast_key(func, args, kwargs)
+    key, mesh = _fast_key(func, args, kwargs)
     if key is None or any(x._spec.has_strided for x in leaves if isinstance(x, DTensor)):
         return
     hit = _Hit()
@@ -590,9 +631,7 @@ def _remember_hit(func, args, kwargs, leaves, sharding: OutputSharding, out) -> 
     else:
         return
     try:
-        if len(_FAST) > _FAST_LIMIT:
-            _FAST.clear()
-        _FAST[key] = hit
+        _put(_caches_of(mesh).fast, key, hit)
     except TypeError:  # unhashable: no entry, the pipeline runs every time
         pass
 

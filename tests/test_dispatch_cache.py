@@ -114,7 +114,8 @@ def _check_per_step_scalars_reuse_one_entry(foreach: bool):
                 p.grad = distribute_tensor(g * step, mesh, [Shard(0)]) if ps is params else g * step
             with _counting() as counts:
                 opt.step()
-        sizes.append((len(_dispatch._FAST), len(_dispatch._CACHE), counts["pipeline"]))
+        caches = _dispatch._caches_of(mesh)
+        sizes.append((len(caches.fast), len(caches.rules), counts["pipeline"]))
     assert len(set(sizes[2:])) == 1 and (foreach or sizes[-1][2] == 0), sizes
     for p, q in zip(params, plain):
         torch.testing.assert_close(p.full_tensor(), q.detach())
@@ -181,3 +182,32 @@ def _check_outputs_keep_the_input_mesh_object():
 
 def test_outputs_keep_the_input_mesh_object():
     run_on_ranks(2, _check_outputs_keep_the_input_mesh_object)
+
+
+def _check_a_dropped_mesh_is_not_kept_by_the_caches():
+    """Both caches hold specs, which hold their mesh (and its process groups): they live with
+    the mesh, so a mesh the user let go of goes, entries and all ([Note: dispatch caches live
+    with their mesh]). In module-level caches every mesh stayed alive until 8,192 entries."""
+    import gc
+    import weakref
+
+    mesh = init_device_mesh("cpu", (2,))
+    x = distribute_tensor(torch.randn(5, 4), mesh, [Shard(0)])
+    for _ in range(2):  # the pipeline, then the fast path
+        y = (x * 2 + x).sum()
+    caches = _dispatch._caches_of(mesh)
+    assert len(caches.rules) > 0 and len(caches.fast) > 0
+    gone = weakref.ref(mesh), weakref.ref(caches)
+    del mesh, x, y, caches
+    gc.collect()
+    assert [r() for r in gone] == [None, None]
+    # a new mesh starts with empty caches and fills them again
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    x = distribute_tensor(torch.randn(5, 4), mesh, [Shard(0)])
+    torch.testing.assert_close((x * 2).full_tensor(), x.full_tensor() * 2)
+    assert _dispatch._caches_of(mesh["dp"]) is _dispatch._caches_of(mesh)  # slices share
+    assert len(_dispatch._caches_of(mesh).rules) > 0
+
+
+def test_a_dropped_mesh_is_not_kept_by_the_caches():
+    run_on_ranks(2, _check_a_dropped_mesh_is_not_kept_by_the_caches)

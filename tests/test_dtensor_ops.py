@@ -227,7 +227,8 @@ def _check_meta_to_device_keeps_no_global_tensor():
     assert real.to_local().shape == (rows, 4)
     # The shape-only pass must run on meta: a real tensor there would be the *global* size,
     # allocated on every rank and then kept alive by the dispatch cache.
-    cached = [m for _, metas in _dispatch._CACHE.values() for m in metas if m is not None]
+    rules = _dispatch._caches_of(mesh).rules
+    cached = [m for _, metas in rules.values() for m in metas if m is not None]
     assert cached and all(m.device.type == "meta" for m in cached)
 
 
