@@ -229,6 +229,19 @@ def run_on_ranks(world_size: int, fn, *, timeout_s: float = DEFAULT_TIMEOUT_S, *
         raise
 
 
+def fresh_pool(world_size: int) -> None:
+    """End the ``world_size`` pool, if any, so the next ``run_on_ranks`` starts new workers
+    (for a measurement of what one program holds, which earlier tests' leftovers would blur).
+
+    Example:
+        >>> fresh_pool(4)
+        >>> run_on_ranks(4, _check, n=4)   # on workers that ran nothing before
+    """
+    pool = _POOLS.pop(world_size, None)
+    if pool is not None:
+        pool.shutdown()
+
+
 def shutdown_all() -> None:
     for ws in list(_POOLS):
         _POOLS.pop(ws).shutdown()

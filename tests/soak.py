@@ -311,11 +311,17 @@ def run(
     directory: Path | None = None,
     **model,
 ):
-    """Run one soak on a harness pool; returns every rank's result. ``model``: ``dim``,
-    ``layers``, ``seq``, ``batch`` of ``soak_rank``."""
-    from tests.harness import run_on_ranks
+    """Run one soak on new workers of a harness pool; returns every rank's result.
+    ``model``: ``dim``, ``layers``, ``seq``, ``batch`` of ``soak_rank``.
+
+    New workers, because a soak measures what one program holds: in ``make test``'s pool an
+    earlier test's PyTorch FSDP2 model (test_comm_ledger's comparison arm, kept alive through
+    autograd nodes and hooks the collector cannot see into) was freed in the middle of the
+    fast soak, which read it as its own change (live tensor bytes -15% on one rank)."""
+    from tests.harness import fresh_pool, run_on_ranks
 
     world_size = LAYOUTS[layout][0]
+    fresh_pool(world_size)
     with tempfile.TemporaryDirectory(dir=directory) as d:
         run_on_ranks(
             world_size,
