@@ -543,9 +543,8 @@ class DeviceMesh:
         found = self.__dict__.get("_layer_resources")
         if found is None:  # first call on this mesh object: find its root's (once: dtensor's
             root = self._get_root_mesh()  # op dispatch asks on every op)
-            found = root.__dict__.get("_layer_resources")
-            if found is None:
-                found = root._layer_resources = {}
+            # setdefault: one dict per root even when two threads ask first at once
+            found = root.__dict__.setdefault("_layer_resources", {})
             self._layer_resources = found
         return found
 

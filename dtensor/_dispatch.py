@@ -52,7 +52,9 @@ aten = torch.ops.aten
 # alive, with its groups, until 8,192 entries filled them (the soak saw a test pool's earlier
 # meshes freed in the middle of its run). So each root mesh keeps its own caches, in the
 # resources its layers keep with it (``DeviceMesh._resources``, shared by its slices): an
-# entry goes when its mesh does, as the rest of the mesh's runtime state.
+# entry goes when its mesh does, as the rest of the mesh's runtime state. An op across mesh
+# objects of several roots is keyed by those objects as well and lives with the first one's
+# root, holding the others until it goes.
 _LIMIT = 8192  # entries per cache of one root mesh; a full cache starts again empty
 _CACHES_KEY = "dtensor.dispatch"
 
@@ -91,9 +93,11 @@ def clear_cache() -> None:
     Example:
         >>> clear_cache()   # benchmarks time a cache miss this way
     """
-    for caches in list(_ALL_CACHES):
-        caches.rules.clear()
-        caches.fast.clear()
+    for ref in list(_ALL_CACHES.data):  # one C-level copy: another thread may add meanwhile
+        caches = ref()
+        if caches is not None:
+            caches.rules.clear()
+            caches.fast.clear()
 
 
 # Ops handled entirely by a function: fn(func, args, kwargs) -> result.
@@ -141,7 +145,13 @@ def dispatch_by_rule(func, args, kwargs):
     if not is_multi_tensor(func):
         leaves = _replicate_scalars(func, leaves)
     key = _cache_key(func, leaves, treespec)
-    mesh = next((x._spec.mesh for x in leaves if isinstance(x, DTensor)), None)
+    meshes = [x._spec.mesh for x in leaves if isinstance(x, DTensor)]
+    mesh = meshes[0] if meshes else None
+    if key is not None and any(m is not mesh for m in meshes):
+        # equal meshes of other roots (fsdp2's per-module meshes under one foreach, say): the
+        # rule's outputs may name those mesh objects, so the entry is theirs alone (the ids
+        # stay theirs while the key's specs hold them)
+        key = (*key, tuple(map(id, meshes)))
     rules = _caches_of(mesh).rules if key is not None and mesh is not None else None
     cached = rules.get(key) if rules is not None else None
     if cached is None:
@@ -568,6 +578,8 @@ def _fast_key(func, args, kwargs):
                 # the outputs live on the first input's mesh, that object: an equal mesh
                 # sliced from another root is another mesh to fsdp2 and tensor parallelism
                 mesh = spec.mesh
+            elif spec.mesh is not mesh:  # another mesh object: the entry is for that one
+                parts.append(id(spec.mesh))
             parts.append(spec)
         elif isinstance(a, (list, tuple)):
             for v in a:

@@ -427,7 +427,7 @@ class _Watchdog(threading.Thread):
         self.poll = min(1.0, max(0.05, timeout / 8))
         self.published = -1
         self.last_read: dict[int, dict] = {}  # peers' states as last read (the store may die)
-        self._last_bytes: dict[int, bytes] = {}  # ... and the bytes they were read from
+        self._unpickled: dict[int, tuple] = {}  # rank -> (bytes, state): one store, one pair
         self.since: dict[tuple, float] = {}  # (group, my seq, peer, its seq) -> first seen
         self._halt = threading.Event()
         self.publish()  # at once: peers can name this process (pid, host) even if it dies soon
@@ -496,10 +496,13 @@ class _Watchdog(threading.Thread):
         if not self.store.check([key]):
             return None
         raw = self.store.get(key)
-        if self._last_bytes.get(rank) == raw:  # unchanged (a rank at rest): the same objects,
-            return self.last_read[rank]  # not a new copy every poll
-        state = pickle.loads(raw)
-        self.last_read[rank], self._last_bytes[rank] = state, raw
+        known = self._unpickled.get(rank)
+        if known is not None and known[0] == raw:  # unchanged (a rank at rest): the same
+            state = known[1]  # objects, not a new copy every poll
+        else:
+            state = pickle.loads(raw)
+            self._unpickled[rank] = (raw, state)  # the watchdog and a failure report both read
+        self.last_read[rank] = state
         return state
 
     def verdict(self, name: str, ranks, why: str) -> None:

@@ -211,3 +211,37 @@ def _check_a_dropped_mesh_is_not_kept_by_the_caches():
 
 def test_a_dropped_mesh_is_not_kept_by_the_caches():
     run_on_ranks(2, _check_a_dropped_mesh_is_not_kept_by_the_caches)
+
+
+def _check_ops_across_roots_keep_their_own_meshes():
+    """An op whose DTensors sit on equal meshes of two roots (fsdp2's per-module meshes meet
+    in clip_grad_norm_'s foreach ops): a later call with a new, equal mesh must not get an
+    earlier call's mesh back from the cache. Its entries live with the first DTensor's root
+    and hold the other meshes until that root goes (then everything goes)."""
+    import gc
+    import weakref
+
+    keep = init_device_mesh("cpu", (2,))
+    a = distribute_tensor(torch.arange(4.0), keep, [Shard(0)])
+    gone = []
+    for i in range(3):
+        other = init_device_mesh("cpu", (2,))
+        b = distribute_tensor(torch.arange(4.0) * i, other, [Shard(0)])
+        for _ in range(2):  # the pipeline, then the caches
+            out = torch._foreach_add([a, b], 1.0)
+            assert out[0].device_mesh is keep and out[1].device_mesh is other, i
+            c = b * 2 + b  # the fast path (b's mesh first)
+            assert c.device_mesh is other
+            d = a + b  # the fast path with two meshes: outputs on the first
+            assert d.device_mesh is keep
+        torch.testing.assert_close(out[1].full_tensor(), torch.arange(4.0) * i + 1)
+        gone.append(weakref.ref(other))
+        del other, b, out, c, d
+    gone.append(weakref.ref(keep))
+    del keep, a
+    gc.collect()
+    assert [r() for r in gone] == [None] * 4
+
+
+def test_ops_across_roots_keep_their_own_meshes():
+    run_on_ranks(2, _check_ops_across_roots_keep_their_own_meshes)

@@ -275,7 +275,7 @@ def test_an_unchanged_peer_state_is_read_once():
     from dtensor import _flight
 
     store = _DictStore()
-    watchdog = SimpleNamespace(store=store, last_read={}, _last_bytes={})
+    watchdog = SimpleNamespace(store=store, last_read={}, _unpickled={})
     step = [("all_gather", "fsdp a"), ("reduce_scatter", "fsdp a")]
     assert _flight._Watchdog.read(watchdog, 1) is None  # nothing published yet
     store.data["state/1"] = pickle.dumps(_state(step[:1]))
