@@ -49,9 +49,8 @@ aten = torch.ops.aten
 # [Note: dispatch caches live with their mesh] Both caches below (the pipeline's sharding
 # decisions and the fast path's call signatures) hold DTensorSpecs, and a spec holds its mesh,
 # which holds its process groups. Kept in module-level dicts they kept every mesh ever used
-# alive, with its groups, until 8,192 entries filled them (the soak saw a test pool's earlier
-# meshes freed in the middle of its run). So each root mesh keeps its own caches, in the
-# resources its layers keep with it (``DeviceMesh._resources``, shared by its slices): an
+# alive, with its groups, until 8,192 entries filled them. So each root mesh keeps its own
+# caches, in the resources its layers keep with it (``DeviceMesh._resources``, shared by its slices): an
 # entry goes when its mesh does, as the rest of the mesh's runtime state. An op across mesh
 # objects of several roots is keyed by those objects as well and lives with the first one's
 # root, holding the others until it goes.
