@@ -50,10 +50,10 @@ aten = torch.ops.aten
 # decisions and the fast path's call signatures) hold DTensorSpecs, and a spec holds its mesh,
 # which holds its process groups. Kept in module-level dicts they kept every mesh ever used
 # alive, with its groups, until 8,192 entries filled them. So each root mesh keeps its own
-# caches, in the resources its layers keep with it (``DeviceMesh._resources``, shared by its slices): an
-# entry goes when its mesh does, as the rest of the mesh's runtime state. An op across mesh
-# objects of several roots is keyed by those objects as well and lives with the first one's
-# root, holding the others until it goes.
+# caches, in the resources its layers keep with it (``DeviceMesh._resources``, shared by its
+# slices): an entry goes when its mesh does, as the rest of the mesh's runtime state. An op
+# across mesh objects of several roots is keyed by those objects as well and lives with the
+# first one's root, holding the others until it goes.
 _LIMIT = 8192  # entries per cache of one root mesh; a full cache starts again empty
 _CACHES_KEY = "dtensor.dispatch"
 
