@@ -237,14 +237,21 @@ class FSDPState:
         engine is running now (a state an exception left behind does not count)."""
         return self.training_state is TrainingState.FORWARD or self._recomputing()
 
+    def _cast_inputs(self, args, kwargs):
+        policy = self.mp_policy
+        if policy.param_dtype is not None and policy.cast_forward_inputs:
+            return _cast_floats((args, kwargs), policy.param_dtype)
+        return args, kwargs
+
     def _pre_forward_hook(self, module, args, kwargs):
         if self._recomputing():
             # activation-checkpoint recomputation: pre-backward gathered them already, unless
-            # a post-backward of an earlier use of this module resharded them since
+            # a post-backward of an earlier use of this module resharded them since. The
+            # inputs are cast as in forward, or the recomputed tensors differ from the saved.
             if self.group is not None:
                 self.group.unshard()
                 self.group.wait_for_unshard()
-            return None
+            return self._cast_inputs(args, kwargs)
         self.lazy_init()
         ctx = self.ctx
         if self.is_root and (ctx.aborted or (self._depth == 0 and ctx.needs_reset())):
@@ -263,16 +270,14 @@ class FSDPState:
             self.group.wait_for_unshard()
             self.group.register_unsharded()  # also after a save swapped the shards in
             self._prefetch(self._forward_targets(), backward=False)
-        policy = self.mp_policy
-        if policy.param_dtype is not None and policy.cast_forward_inputs:
-            args, kwargs = _cast_floats((args, kwargs), policy.param_dtype)
+        args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled() and self._has_grad_params():
             args, kwargs = self._attach_post_backward(args, kwargs)
         return args, kwargs
 
     def _post_forward_hook(self, module, args, output):
-        if self._recomputing():
-            return None  # the post-backward reshards
+        if self._recomputing():  # the post-backward reshards; the output is cast as in forward
+            return self._cast_output(output)
         self._post_ran += 1
         self._depth -= 1
         self._done.add(id(module))
@@ -288,8 +293,11 @@ class FSDPState:
             self.training_state = TrainingState.IDLE
         if tensors:
             register_multi_grad_hook(tensors, self._pre_backward_eager, mode="any")
+        return self._cast_output(output)
+
+    def _cast_output(self, output):
         if self.mp_policy.output_dtype is not None:
-            output = _cast_floats(output, self.mp_policy.output_dtype)
+            return _cast_floats(output, self.mp_policy.output_dtype)
         return output
 
     def _abort_hook(self, module, args, output):

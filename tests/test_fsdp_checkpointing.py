@@ -25,11 +25,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecision
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from device_mesh import init_device_mesh
-from fsdp2 import fully_shard
+from fsdp2 import MixedPrecisionPolicy, fully_shard
 from tests import _train_loop as loop
 from tests.harness import run_on_ranks
 
@@ -150,3 +151,56 @@ def _hf_gradient_checkpointing():
 
 def test_hugging_face_gradient_checkpointing_enable_trains():
     run_on_ranks(2, _hf_gradient_checkpointing)
+
+
+class RotaryNet(Net):
+    """``whole``-form checkpointing of blocks that take a second input computed in fp32
+    outside them (as a Llama's rotary ``cos`` / ``sin``): under a bf16 ``mp_policy`` the
+    recomputation must see the inputs cast as the forward did."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__("plain")
+        self.checkpointed = checkpointed
+        for block in self.blocks:
+            block.forward = functools.partial(self._block_forward, block)
+
+    @staticmethod
+    def _block_forward(block, x, scale):
+        return block._body(x * scale)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        scale = torch.linspace(0.5, 1.5, DIM)  # fp32, made outside the sharded blocks
+        for block in self.blocks:
+            if self.checkpointed:
+                h = checkpoint(block, h, scale, use_reentrant=False)
+            else:
+                h = block(h, scale)
+        return self.head(h)
+
+
+def _mixed_precision_recompute():
+    batches = loop.batches(VOCAB, SEQ, PER_RANK, STEPS)
+    ws = dist.get_world_size()
+    runs = []
+    for shard, mesh, policy, checkpointed in (
+        (fully_shard, init_device_mesh("cpu", (ws,)), MixedPrecisionPolicy, True),
+        (fully_shard, init_device_mesh("cpu", (ws,)), MixedPrecisionPolicy, False),
+        (torch_fully_shard, torch_init_device_mesh("cpu", (ws,)), TorchMixedPrecision, True),
+    ):
+        torch.manual_seed(0)
+        model = RotaryNet(checkpointed)
+        mp = policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            shard(block, mesh=mesh, mp_policy=mp)
+        shard(model, mesh=mesh, mp_policy=mp)
+        runs.append((model, loop.train(model, batches, _logits_loss, per_rank=PER_RANK)))
+    (ours, losses), (plain, plain_losses), (theirs, their_losses) = runs
+    loop.compare(ours, plain, losses, plain_losses, rtol=0, atol=0)  # recomputed = computed
+    loop.compare(ours, theirs, losses, their_losses, rtol=0, atol=0)
+
+
+def test_recomputation_casts_inputs_like_forward_under_bf16():
+    """Was: ``CheckpointError: Recomputed values ... have different metadata`` (the
+    recomputation skipped the input cast, so fp32 ``scale`` met bf16 saved tensors)."""
+    run_on_ranks(2, _mixed_precision_recompute)
