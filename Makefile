@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 NPROC ?= 2
 TRAIN_SCRIPT ?= $(if $(wildcard examples/train_gpt.py),examples/train_gpt.py,examples/mesh_demo.py)
 
-.PHONY: test property train train-2d lint bench soak clean
+.PHONY: test test-torch gpu-check property train train-2d lint bench soak clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,33 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -x -q tests
+
+# The suite on another supported PyTorch (2.11, 2.12 or 2.13): `make test-torch VERSION=2.11`.
+# A venv of its own, .venv-torch$(VERSION), with that torch from the package registry (on
+# x86_64 that is the CUDA build, several GB; it runs on the CPU) and everything else pinned
+# as in constraints.txt. Opt-in: make test runs on the pinned torch only.
+TORCH_VENV := .venv-torch$(VERSION)
+$(TORCH_VENV)/.installed: pyproject.toml constraints.txt
+	@test -n "$(VERSION)" || { echo "usage: make test-torch VERSION=2.11 (or 2.12, 2.13)"; exit 2; }
+	$(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/python -m pip install --quiet --upgrade pip
+	grep -v '^torch==' constraints.txt > $(TORCH_VENV)/constraints.txt
+	echo 'torch==$(VERSION).*' >> $(TORCH_VENV)/constraints.txt
+	$(TORCH_VENV)/bin/python -m pip install --quiet -c $(TORCH_VENV)/constraints.txt -e ".[dev]"
+	$(TORCH_VENV)/bin/python -m pip install --quiet -c $(TORCH_VENV)/constraints.txt --no-deps torchtitan
+	touch $@
+
+test-torch: $(TORCH_VENV)/.installed
+	$(TORCH_VENV)/bin/python -c 'import torch; print("torch", torch.__version__)'
+	$(TORCH_VENV)/bin/python -m pytest -x -q tests
+
+# The GPU check (benchmarks/gpu_check.py): about 8 minutes on one GPU, with the machine's own
+# python3 and PyTorch (no venv, nothing installed); the report goes to $(GPU_REPORT).
+# GPU_ARGS="--cpu" runs it end to end on this machine with tiny sizes; "--budget 240" halves it.
+GPU_PYTHON ?= python3
+GPU_REPORT ?= gpu-report
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py --out $(GPU_REPORT) $(GPU_ARGS)
 
 # The property-based tests with many more random examples (world sizes up to 8); make test
 # runs a small derandomized sample of the same properties.

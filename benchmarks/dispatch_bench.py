@@ -49,12 +49,12 @@ OPS = {
 }
 
 
-def _inputs(lib, mesh):
+def _inputs(lib, mesh, device: str = "cpu"):
     torch.manual_seed(0)
-    x = lib.distribute_tensor(torch.randn(8, 8), mesh, [lib.Shard(0)])
-    w = lib.distribute_tensor(torch.randn(8, 8), mesh, [lib.Replicate()])
-    b = lib.distribute_tensor(torch.randn(8), mesh, [lib.Replicate()])
-    g = lib.distribute_tensor(torch.randn(8), mesh, [lib.Replicate()])
+    x = lib.distribute_tensor(torch.randn(8, 8, device=device), mesh, [lib.Shard(0)])
+    w = lib.distribute_tensor(torch.randn(8, 8, device=device), mesh, [lib.Replicate()])
+    b = lib.distribute_tensor(torch.randn(8, device=device), mesh, [lib.Replicate()])
+    g = lib.distribute_tensor(torch.randn(8, device=device), mesh, [lib.Replicate()])
     return x, w, b, g
 
 
@@ -68,7 +68,8 @@ def _clear_torch_caches() -> None:
 
 
 def _block_us(fn, args, n: int) -> float:
-    """Microseconds per call of ``fn(*args)``, over a block of ``n`` calls."""
+    """Microseconds per call of ``fn(*args)``, over a block of ``n`` calls (host time: on a
+    GPU the kernels queue behind, and what is timed is the dispatch that launches them)."""
     t0 = time.perf_counter()
     for _ in range(n):
         fn(*args)
@@ -80,8 +81,9 @@ def _quantile(xs, q):
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
-def measure(rounds: int, calls: int, miss_calls: int) -> dict:
-    """Both tables' numbers, as a dict ready for JSON."""
+def measure(rounds: int, calls: int, miss_calls: int, device: str = "cpu") -> dict:
+    """Both tables' numbers, as a dict ready for JSON. ``device``: where the tensors live
+    (``"cuda"`` needs a one-rank NCCL default group; the GPU check runs it so)."""
     import torch.distributed.tensor as tdt
     from torch.distributed.device_mesh import init_device_mesh as torch_mesh
 
@@ -90,8 +92,8 @@ def measure(rounds: int, calls: int, miss_calls: int) -> dict:
     from dtensor import _dispatch
 
     inputs = {
-        "ours": _inputs(ours, init_device_mesh("cpu", (1,))),
-        "torch": _inputs(tdt, torch_mesh("cpu", (1,))),
+        "ours": _inputs(ours, init_device_mesh(device, (1,)), device),
+        "torch": _inputs(tdt, torch_mesh(device, (1,)), device),
     }
     clear = {"ours": _dispatch.clear_cache, "torch": _clear_torch_caches}
     hit, miss = {}, {}

@@ -17,6 +17,9 @@ logs to ``outdir/rank{r}.log``; the faulty rank writes the wall time of its faul
   after writing its shard (the first, whose values rank 0 wrote to ``expected-1.pt``, must
   stay loadable there);
 * ``none``: no fault (the job must finish, exit 0).
+
+``FAULTS_DEVICE=cuda`` in the environment runs the job on NCCL, one GPU per rank (the GPU
+check, ``benchmarks/gpu_check.py``); the default is gloo on the CPU.
 """
 
 from __future__ import annotations
@@ -60,6 +63,10 @@ def _model():
     return model
 
 
+def _device() -> str:
+    return os.environ.get("FAULTS_DEVICE", "cpu")
+
+
 def worker(rank: int, world: int, port: int, fault: str, outdir: str, timeout: float) -> None:
     os.environ["DTENSOR_COLLECTIVE_TIMEOUT"] = repr(timeout)
     with open(os.path.join(outdir, f"pid-{rank}"), "w") as f:
@@ -76,11 +83,14 @@ def worker(rank: int, world: int, port: int, fault: str, outdir: str, timeout: f
     from dtensor import debug
 
     torch.set_num_threads(1)
+    backend = "nccl" if _device() == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     if port == 0:  # under torchrun: env://
-        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+        dist.init_process_group(backend, timeout=timedelta(seconds=60))
     else:
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world,
@@ -105,13 +115,14 @@ def _train(rank: int, world: int, fault: str, outdir: str, timeout: float) -> No
     from fsdp2 import fully_shard
 
     faulty = rank == 1
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    model = _model()
+    device = _device()
+    mesh = init_device_mesh(device, (world,), mesh_dim_names=("dp",))
+    model = _model().to(device)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank)).to(device)
     for step in range(1, STEPS + 1):
         armed = faulty and step == FAULT_STEP
         if step == FAULT_STEP and fault == "skip_all_gather":
@@ -135,7 +146,7 @@ def _train(rank: int, world: int, fault: str, outdir: str, timeout: float) -> No
         opt.step()
         opt.zero_grad()
         if step == FAULT_STEP:  # a DTensor collective outside FSDP
-            t = distribute_tensor(torch.arange(8.0 * world), mesh, [Shard(0)])
+            t = distribute_tensor(torch.arange(8.0 * world, device=device), mesh, [Shard(0)])
             if faulty and fault == "other_collective":  # an all-reduce of the same bytes
                 _mark_fault(outdir)
                 p = DTensor.from_local(t.to_local().clone(), mesh, [Partial()], run_check=False)

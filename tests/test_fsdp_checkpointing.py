@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from device_mesh import init_device_mesh
 from fsdp2 import MixedPrecisionPolicy, fully_shard
+from tests import _torch_compat as compat
 from tests import _train_loop as loop
 from tests.harness import run_on_ranks
 
@@ -183,11 +184,15 @@ def _mixed_precision_recompute():
     batches = loop.batches(VOCAB, SEQ, PER_RANK, STEPS)
     ws = dist.get_world_size()
     runs = []
-    for shard, mesh, policy, checkpointed in (
+    arms = [
         (fully_shard, init_device_mesh("cpu", (ws,)), MixedPrecisionPolicy, True),
         (fully_shard, init_device_mesh("cpu", (ws,)), MixedPrecisionPolicy, False),
-        (torch_fully_shard, torch_init_device_mesh("cpu", (ws,)), TorchMixedPrecision, True),
-    ):
+    ]
+    if compat.FSDP2_RECOMPUTE_CASTS_INPUTS:  # PyTorch 2.11's FSDP2 fails here itself
+        arms.append(
+            (torch_fully_shard, torch_init_device_mesh("cpu", (ws,)), TorchMixedPrecision, True)
+        )
+    for shard, mesh, policy, checkpointed in arms:
         torch.manual_seed(0)
         model = RotaryNet(checkpointed)
         mp = policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -195,9 +200,10 @@ def _mixed_precision_recompute():
             shard(block, mesh=mesh, mp_policy=mp)
         shard(model, mesh=mesh, mp_policy=mp)
         runs.append((model, loop.train(model, batches, _logits_loss, per_rank=PER_RANK)))
-    (ours, losses), (plain, plain_losses), (theirs, their_losses) = runs
+    (ours, losses), (plain, plain_losses) = runs[:2]
     loop.compare(ours, plain, losses, plain_losses, rtol=0, atol=0)  # recomputed = computed
-    loop.compare(ours, theirs, losses, their_losses, rtol=0, atol=0)
+    for theirs, their_losses in runs[2:]:
+        loop.compare(ours, theirs, losses, their_losses, rtol=0, atol=0)
 
 
 def test_recomputation_casts_inputs_like_forward_under_bf16():

@@ -53,7 +53,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tests import _torch_compat as compat
 from tests.harness import run_on_ranks
+
+pytestmark = pytest.mark.skipif(not compat.TORCHTITAN_RUNS, reason=compat.TORCHTITAN_SKIP)
 
 VOCAB, SEQ, ROWS, STEPS = 35, 9, 2, 3
 
@@ -291,9 +294,16 @@ def _torchtitan_ports_by_imports(sp: bool, dp: int):
         assert p.to_local().shape == their_p.to_local().shape, name
 
 
+_SP = pytest.mark.skipif(not compat.TORCHTITAN_SP_RUNS, reason=compat.TORCHTITAN_SP_SKIP)
+
+
 @pytest.mark.parametrize(
     "ws, dp, sp",
-    [(2, 1, True), (2, 1, False), (4, 2, True)],
+    [
+        pytest.param(2, 1, True, marks=_SP),
+        (2, 1, False),
+        pytest.param(4, 2, True, marks=_SP),
+    ],
     ids=["tp2-sequence-parallel", "tp2", "fsdp2-tp2-sequence-parallel"],
 )
 def test_torchtitan_llama3_parallelize_ports_by_changing_imports(ws, dp, sp):

@@ -1,0 +1,359 @@
+"""The GPU check's parts 1 and 5 (``benchmarks/gpu_check.py``): correctness, determinism.
+
+Multi-rank checks run as ``torchrun`` jobs of this file (``python -m torch.distributed.run
+... benchmarks/_gpu_correct.py JOB DIR DEVICE``), so NCCL and CUDA state stay in their own
+processes. On one GPU, NCCL takes one device per rank, and this library's gloo routes send
+host memory: a check that needs more ranks than GPUs either runs on a smaller mesh or on the
+CPU side of a reshard, and the report says which.
+
+Jobs:
+
+* ``fsdp_tp``: FSDP x TP on a ``(dp, tp)`` mesh (2 x 2 on four GPUs, 1 x 2 on two or on the
+  CPU, 1 x 1 on one GPU: the 2-D code path on CUDA tensors, no peers) against the plain
+  model trained on the whole batch in one process.
+* ``ckpt_cpu``: the CPU side of a checkpoint reshard: 2 ranks load what one process on the
+  device saved, compare with the full tensors written beside it (``torch.save``) bit for
+  bit, train a step and save for the device side to load and compare.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+STEPS = 3
+
+
+def _check(name: str, status: str, detail: str = "", t0: float | None = None) -> dict:
+    seconds = round(time.monotonic() - t0, 1) if t0 is not None else None
+    return {"name": name, "status": status, "detail": detail, "seconds": seconds}
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _run(cmd: list, timeout: float, env=None) -> tuple[int | None, str]:
+    """Run ``cmd`` in the repository root, in a session of its own (on a time-out the whole
+    job, torchrun's workers too, is killed); (exit code or None on a time-out, output tail)."""
+    env = dict(os.environ, **(env or {}))
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, start_new_session=True)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        print(out[-6000:], flush=True)
+        return None, out[-3000:]
+    print(out[-6000:], flush=True)  # into the part's log
+    return proc.returncode, out[-3000:]
+
+
+def _torchrun(job: str, outdir: str, device: str, nproc: int, timeout: float):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", str(Path(__file__)), job, outdir, device]  # fmt: skip
+    return _run(cmd, timeout, env={"OMP_NUM_THREADS": "1"})
+
+
+# ------------------------------------------------------------------------------ part 1
+def correctness(settings: dict, result_path: Path) -> dict:
+    """Part 1: the GPU tests, FSDP x TP on a 2-D mesh, a checkpoint resharded across sizes."""
+    budget = settings.get("part_budget_s", 150.0)
+    checks = []
+    checks += _gpu_tests(settings["tmp"], timeout=0.6 * budget)
+    result_path.write_text(json.dumps({"checks": checks}))
+    checks.append(_fsdp_tp(settings, timeout=0.18 * budget))
+    result_path.write_text(json.dumps({"checks": checks}))
+    checks += _reshard(settings, timeout=0.18 * budget)
+    return {"checks": checks}
+
+
+def _gpu_tests(tmp: str, timeout: float) -> list:
+    """``tests/test_fsdp_gpu.py`` under pytest; one check per test, from its JUnit XML."""
+    t0 = time.monotonic()
+    xml = Path(tmp) / "gpu-tests.xml"
+    cmd = [sys.executable, "-m", "pytest", "tests/test_fsdp_gpu.py", "-q", "-rA",
+           "-p", "no:cacheprovider", f"--junitxml={xml}"]  # fmt: skip
+    rc, tail = _run(cmd, timeout)
+    if rc is None or not xml.exists():
+        why = "timed out" if rc is None else f"pytest exited {rc}"
+        return [_check("tests/test_fsdp_gpu.py", "failed", f"{why}: {tail[-800:]}", t0)]
+    checks = []
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        name = case.get("name")
+        seconds = float(case.get("time", 0))
+        status, detail = "ok", ""
+        for tag, verdict in (("failure", "failed"), ("error", "failed"), ("skipped", "skipped")):
+            node = case.find(tag)
+            if node is not None:
+                status = verdict
+                detail = (node.get("message") or "")[:800]
+        checks.append({"name": name, "status": status, "detail": detail, "seconds": seconds})
+    return checks
+
+
+def _fsdp_tp(settings: dict, timeout: float) -> dict:
+    """FSDP x TP on a ``(dp, 2)`` mesh: 2 x 2 on four GPUs, 1 x 2 on two GPUs or the CPU
+    (``make test`` runs the CPU one: two processes start faster than four), 1 x 1 on one GPU."""
+    t0 = time.monotonic()
+    device = settings["device"]
+    nproc = 2 if device == "cpu" else (4 if _gpus() >= 4 else 2 if _gpus() >= 2 else 1)
+    outdir = Path(settings["tmp"]) / "fsdp_tp"
+    outdir.mkdir()
+    rc, tail = _torchrun("fsdp_tp", str(outdir), device, nproc, timeout)
+    shape = f"{max(1, nproc // 2)}x{min(2, nproc)}"
+    name = f"FSDP x TP on a {shape} mesh vs one process"
+    if rc != 0:
+        return _check(name, "failed", f"exit {rc}: {tail[-800:]}", t0)
+    note = "one GPU: the 2-D path on CUDA tensors, no peers; " if nproc == 1 else ""
+    return _check(name, "ok", note + (outdir / "summary").read_text(), t0)
+
+
+def _reshard(settings: dict, timeout: float) -> list:
+    """One process on the device saves at world size 1; 2 CPU ranks load that (and compare),
+    train a step and save; the device process loads it back (and compares)."""
+    device = settings["device"]
+    base = Path(settings["tmp"]) / "reshard"
+    base.mkdir()
+    from benchmarks._gpu_speed import init_world
+
+    init_world(device)
+    checks = []
+    t0 = time.monotonic()
+    model = _ckpt_model(device, seed=0)
+    _train_one_step(model, device)
+    _save(model, base, "from-device")
+    checks.append(_check(f"checkpoint save (1 rank, {device})", "ok", "", t0))
+    t0 = time.monotonic()
+    rc, tail = _torchrun("ckpt_cpu", str(base), "cpu", 2, timeout)
+    name = "checkpoint load, train, save (2 ranks, cpu)"
+    if rc != 0:
+        return checks + [_check(name, "failed", f"exit {rc}: {tail[-800:]}", t0)]
+    checks.append(_check(name, "ok", "loaded bit for bit", t0))
+    t0 = time.monotonic()
+    _load_and_compare(base, "from-cpu", device, seed=2)
+    what = f"loaded bit for bit onto {device}"
+    checks.append(_check(f"checkpoint load (1 rank, {device})", "ok", what, t0))
+    return checks
+
+
+# ------------------------------------------------------------------------------ jobs
+def _init(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+
+
+def _gpt_cfg(**kw):
+    from examples.gpt import GPTConfig
+
+    # awkward sizes: a vocabulary not divisible by 2 or 4, fewer position rows than ranks+1
+    # no biases: a key bias gets a zero gradient in exact arithmetic (softmax ignores a shift)
+    # and rounding noise otherwise, which AdamW turns into steps of its full learning rate
+    return GPTConfig(vocab_size=67, dim=32, n_layers=2, n_heads=4, max_seq_len=6, bias=False,
+                     **kw)  # fmt: skip
+
+
+def _batches(cfg, n: int, rows: int):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randint(0, cfg.vocab_size, (rows, cfg.max_seq_len), generator=g),
+             torch.randint(0, cfg.vocab_size, (rows, cfg.max_seq_len), generator=g))
+            for _ in range(n)]  # fmt: skip
+
+
+def job_fsdp_tp(outdir: Path, device: str) -> None:
+    from device_mesh import init_device_mesh
+    from examples.gpt import GPT, gpt_loss, tp_plan
+    from fsdp2 import parallelize_transformer
+
+    _init(device)
+    ws = dist.get_world_size()
+    tp = min(ws, 2)
+    mesh = init_device_mesh(device, (ws // tp, tp), mesh_dim_names=("dp", "tp"))
+    cfg = _gpt_cfg(fused_qkv=False)
+    torch.manual_seed(0)
+    ref = GPT(cfg).to(device)
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    parallelize_transformer(model, mesh, tp_plan=tp_plan())
+    dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    # SGD: a rounding difference stays that size (AdamW's normalized step can blow one up)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    for x, y in _batches(cfg, STEPS, 2 * dp):
+        x, y = x.to(device), y.to(device)
+        rows = slice(2 * dp_rank, 2 * dp_rank + 2)
+        losses = (gpt_loss(model, x[rows], y[rows]), gpt_loss(ref, x, y))
+        for loss, opt in zip(losses, opts):
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    worst = 0.0
+    full = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        got, want = p.full_tensor().detach(), full[name].detach()
+        diff = (got - want).abs().max().item()
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+            raise AssertionError(f"{name}: differs from one process by up to {diff:.2e}")
+        worst = max(worst, diff)
+    if dist.get_rank() == 0:
+        (outdir / "summary").write_text(f"{STEPS} SGD steps, largest difference {worst:.1e}")
+    dist.destroy_process_group()
+
+
+def _ckpt_model(device: str, seed: int):
+    from device_mesh import init_device_mesh
+    from examples.gpt import GPT
+    from fsdp2 import fully_shard
+
+    torch.manual_seed(seed)
+    model = GPT(_gpt_cfg()).to(device)
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _train_one_step(model, device: str) -> None:
+    from examples.gpt import gpt_loss
+
+    (x, y), = _batches(model.cfg, 1, 2)  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gpt_loss(model, x.to(device), y.to(device)).backward()
+    opt.step()
+
+
+def _save(model, outdir: Path, name: str) -> None:
+    from dtensor import checkpoint as dcp
+
+    dcp.save({"model": model.state_dict()}, checkpoint_id=outdir / name)
+    full = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
+    if dist.get_rank() == 0:
+        torch.save(full, outdir / f"{name}.expected.pt")
+
+
+def _load_and_compare(outdir: Path, name: str, device: str, seed: int):
+    """A differently seeded model, loaded from ``name``: its values must be the saved ones,
+    on ``device``."""
+    from dtensor import checkpoint as dcp
+
+    model = _ckpt_model(device, seed=seed)
+    dcp.load({"model": model.state_dict()}, checkpoint_id=outdir / name)
+    expected = torch.load(outdir / f"{name}.expected.pt")
+    for k, v in model.state_dict().items():
+        if not torch.equal(v.full_tensor().cpu(), expected[k]):
+            raise AssertionError(f"{k}: loaded values differ from the saved ones")
+        if v.to_local().device.type != device:
+            raise AssertionError(f"{k}: loaded onto {v.to_local().device}, not {device}")
+    return model
+
+
+def job_ckpt_cpu(outdir: Path, device: str) -> None:
+    """The CPU side of the reshard: load what one device rank saved, train, save."""
+    _init(device)
+    model = _load_and_compare(outdir, "from-device", device, seed=1)
+    _train_one_step(model, device)
+    _save(model, outdir, "from-cpu")
+    dist.destroy_process_group()
+
+
+JOBS = {"fsdp_tp": job_fsdp_tp, "ckpt_cpu": job_ckpt_cpu}
+
+
+# ------------------------------------------------------------------------------ part 5
+def _determinism_run(settings: dict, math_attention: bool) -> tuple[list, dict]:
+    """Four seeded bf16 steps of a small Llama under ``fully_shard`` at world size 1."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from benchmarks._gpu_speed import _shard
+    from examples.gpt import gpt_loss
+
+    small = dict(settings, model=dict(settings["model"], n_layers=2, dim=min(512, settings["model"]["dim"])),
+                 seq=min(256, settings["seq"]))  # fmt: skip
+    small["model"]["ffn_dim"] = min(small["model"]["ffn_dim"], 1024)
+    device = settings["device"]
+    model = _shard("ours", "eager", small)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    shape = (small["batch"], small["seq"])
+    kernels = sdpa_kernel([SDPBackend.MATH]) if math_attention else contextlib.nullcontext()
+    losses = []
+    with kernels:
+        for _ in range(4):
+            x = torch.randint(0, model.cfg.vocab_size, shape, generator=g).to(device)
+            loss = gpt_loss(model, x, x.roll(-1, dims=1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    params = {k: p.full_tensor().detach().cpu() for k, p in model.named_parameters()}
+    return losses, params
+
+
+def _bitwise_equal(a: dict, b: dict) -> list:
+    return [k for k in a if not torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8))]
+
+
+def determinism(settings: dict, result_path: Path) -> dict:
+    """Part 5: two seeded runs bit for bit (deterministic algorithms, the math attention
+    kernel; then the default kernels, reported as found), and out-of-step detection on NCCL
+    when two GPUs can each run a rank."""
+    from benchmarks._gpu_speed import init_world
+
+    device = settings["device"]
+    init_world(device)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    checks = []
+    for math_attention, name in ((True, "deterministic algorithms, math attention"),
+                                 (False, "default attention kernels")):  # fmt: skip
+        t0 = time.monotonic()
+        (l1, p1), (l2, p2) = (_determinism_run(settings, math_attention) for _ in range(2))
+        differ = _bitwise_equal(p1, p2)
+        same = not differ and l1 == l2
+        status = "ok" if same or not math_attention else "failed"
+        detail = "bit-identical" if same else f"differ: losses {l1} vs {l2}; params {differ[:5]}"
+        checks.append(_check(f"two runs, {name}", status, detail, t0))
+    result_path.write_text(json.dumps({"checks": checks}))
+    checks.append(_out_of_step(settings))
+    return {"checks": checks}
+
+
+def _out_of_step(settings: dict) -> dict:
+    name = "out-of-step detection on NCCL (a rank skips an all-gather)"
+    if settings["device"] != "cuda" or _gpus() < 2:
+        why = "needs two GPUs: NCCL takes one device per rank" if settings["device"] == "cuda" \
+            else "NCCL needs GPUs (make test runs the gloo version, tests/test_out_of_step.py)"  # fmt: skip
+        return _check(name, "skipped", why)
+    t0 = time.monotonic()
+    outdir = Path(settings["tmp"]) / "faults"
+    outdir.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "tests._faults", "skip_all_gather", str(outdir), "2.0"]  # fmt: skip
+    rc, tail = _run(cmd, 90, env={"FAULTS_DEVICE": "cuda"})
+    logs = "".join((outdir / f"rank{r}.log").read_text() for r in (0, 1)
+                   if (outdir / f"rank{r}.log").exists())  # fmt: skip
+    named = "ranks diverge at #" in logs or "is behind" in logs
+    status = "ok" if rc not in (0, None) and named else "failed"
+    verdict = next((ln for ln in logs.splitlines() if "diverge" in ln or "behind" in ln), "")
+    return _check(name, status, f"exit {rc}; {verdict[:300] or tail[-500:]}", t0)
+
+
+if __name__ == "__main__":  # under torchrun: JOB OUTDIR DEVICE
+    JOBS[sys.argv[1]](Path(sys.argv[2]), sys.argv[3])

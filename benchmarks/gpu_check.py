@@ -1,0 +1,234 @@
+"""The GPU check: correctness, speed, dispatch, the planner and determinism on the GPU in
+hand, in one run of about eight minutes, with one report.
+
+    python3 benchmarks/gpu_check.py --out DIR                # on a GPU machine, its own python3
+    python3 benchmarks/gpu_check.py --out DIR --budget 240   # a smaller model, fewer steps
+    python3 benchmarks/gpu_check.py --out DIR --cpu          # the same script end to end on CPU
+    make gpu-check GPU_REPORT=DIR [GPU_ARGS=--cpu]
+
+It needs no venv and installs nothing: PyTorch (2.11 to 2.13), numpy, rich and safetensors as
+the machine has them. Each part runs in a process of its own with its own time budget (a
+share of ``--budget``); a part that fails, crashes or runs over is reported as such and the
+next part runs. Parts (``--parts`` picks some):
+
+1. ``correctness``: ``tests/test_fsdp_gpu.py`` (bf16 against PyTorch's FSDP2, CPU offload
+   against no offload, CUDA's memory counters against the tracker); FSDP x TP on a 2-D mesh
+   against one process; a checkpoint saved by 2 CPU ranks loaded on the device at one rank,
+   and back.
+2. ``speed``: a Llama-style model (~1B parameters at the full budget) in bf16 at world size
+   1, our ``fully_shard`` against PyTorch's FSDP2: eager, compiled, with activation
+   checkpointing, and with CPU offload; step time, tokens/s, MFU, peak memory.
+3. ``dispatch``: ``benchmarks/dispatch_bench.py``'s per-op table with tensors on the device.
+4. ``planner``: the planner's predicted peak against the measured peaks of part 2.
+5. ``determinism``: two seeded runs bit-identical on the device; out-of-step detection on
+   NCCL when two GPUs can run one rank each.
+
+Writes ``DIR/gpu-report.json``, ``DIR/gpu-report.md`` and ``DIR/gpu-check.log`` (every part's
+output), and exits 1 when any part failed or ran over, 0 otherwise (a skip is not a failure).
+``--cpu`` runs everything on the CPU with tiny sizes (``tests/test_gpu_check.py`` runs it in
+``make test``, so the script cannot rot before a GPU comes); there, compiled arms use the
+``aot_eager`` backend (no C++ build) and the offload arms are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import _gpu_report  # noqa: E402
+
+#: Each part's share of the budget; what is left over covers process starts and the report.
+SHARES = {
+    "correctness": 0.32,
+    "speed": 0.42,
+    "dispatch": 0.06,
+    "planner": 0.05,
+    "determinism": 0.10,
+}
+PARTS = tuple(SHARES)
+SUPPORTED_TORCH = ((2, 11), (2, 13))  # the oldest and newest minor releases tested
+DEFAULT_BUDGET_S = 480.0
+#: tests/test_gpu_check.py: the part named in this environment variable hangs
+HANG_FOR_TESTS = "GPU_CHECK_TEST_HANG"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="folder for gpu-report.json / .md and the log")
+    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
+                   help="seconds for all parts together (default 480); sizes scale with it")  # fmt: skip
+    p.add_argument("--cpu", action="store_true", help="run on the CPU with tiny sizes")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
+    p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # one part, in its process
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--settings", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    unknown = sorted(set(args.parts.split(",")) - set(PARTS))
+    if unknown:
+        p.error(f"--parts: unknown part(s) {unknown}; choose from {list(PARTS)}")
+    if args.budget <= 0:
+        p.error(f"--budget must be positive, got {args.budget}")
+    return args
+
+
+# ------------------------------------------------------------------------------ sizes
+def settings_for(budget_s: float, cpu: bool) -> dict:
+    """Model and step counts for a budget: the full Llama-style ~1B at 480 s, fewer blocks
+    and steps below it (compilation's fixed cost does not shrink), tiny on the CPU."""
+    if cpu:
+        model = dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160)
+        return dict(device="cpu", model=model, batch=2, seq=32, warmup=1, steps=2,
+                    offload_steps=0, compile_backend="aot_eager", dispatch_rounds=5)  # fmt: skip
+    scale = min(1.0, budget_s / DEFAULT_BUDGET_S)
+    model = dict(vocab_size=32000, dim=2048, n_layers=max(2, round(18 * scale)), n_heads=16,
+                 n_kv_heads=8, ffn_dim=5632)  # fmt: skip
+    return dict(device="cuda", model=model, batch=4, seq=2048, warmup=2,
+                steps=max(2, round(6 * scale)), offload_steps=max(1, round(3 * scale)),
+                compile_backend="inductor", dispatch_rounds=max(11, round(41 * scale)))  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ environment
+def environment(cpu: bool) -> dict:
+    """What this machine has: PyTorch, CUDA, the GPUs, NCCL; whether the torch is supported."""
+    import torch
+
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_supported": SUPPORTED_TORCH[0] <= version <= SUPPORTED_TORCH[1],
+        "cuda_available": torch.cuda.is_available(),
+        "cuda": torch.version.cuda,
+        "mode": "cpu" if cpu else "cuda",
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(
+            gpu=props.name,
+            gpus=torch.cuda.device_count(),
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            capability=f"{props.major}.{props.minor}",
+            multiprocessors=props.multi_processor_count,
+            bf16=torch.cuda.is_bf16_supported(),
+            nccl=".".join(str(v) for v in torch.cuda.nccl.version()),
+        )
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    return env
+
+
+# ------------------------------------------------------------------------------ one part
+def run_part(part: str, settings: dict, budget_s: float, log) -> dict:
+    """Run ``part`` in a process of its own, killed after ``budget_s``; its result dict, or
+    one that says how it failed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = Path(tmp) / "result.json"
+        settings = dict(settings, tmp=tmp, part_budget_s=budget_s)
+        cmd = [sys.executable, __file__, "--out", tmp, "--part", part,
+               "--result", str(result_file), "--settings", json.dumps(settings)]  # fmt: skip
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+        if settings["device"] == "cuda":
+            env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # determinism's cuBLAS
+        log.write(f"\n===== part {part} (budget {budget_s:.0f} s) =====\n")
+        log.flush()
+        t0 = time.monotonic()
+        # a session of its own: on a time-out the whole group (its torchrun jobs) is killed
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=ROOT, start_new_session=True)  # fmt: skip
+        try:
+            rc = proc.wait(timeout=budget_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            rc = None
+        elapsed = time.monotonic() - t0
+        result = json.loads(result_file.read_text()) if result_file.exists() else {}
+    result.setdefault("checks", [])
+    if rc is None:
+        result["status"] = "timeout"
+        result["error"] = f"ran over its budget of {budget_s:.0f} s (killed)"
+    elif rc != 0:
+        result["status"] = "failed"
+        result.setdefault("error", f"exited with {rc} (see gpu-check.log)")
+    else:
+        result.setdefault("status", _status_of(result["checks"]))
+    result.update(seconds=round(elapsed, 1), budget_s=round(budget_s, 1))
+    return result
+
+
+def _status_of(checks: list) -> str:
+    statuses = {c["status"] for c in checks}
+    if "failed" in statuses:
+        return "failed"
+    if statuses and statuses <= {"skipped"}:
+        return "skipped"
+    return "ok"
+
+
+def _part_main(args) -> None:
+    """Inside a part's process: run it, write its result."""
+    from benchmarks import _gpu_correct, _gpu_speed
+
+    if os.environ.get(HANG_FOR_TESTS) == args.part:
+        time.sleep(3600)
+    settings = json.loads(args.settings)
+    fn = {
+        "correctness": _gpu_correct.correctness,
+        "speed": _gpu_speed.speed,
+        "dispatch": _gpu_speed.dispatch,
+        "planner": _gpu_speed.planner,
+        "determinism": _gpu_correct.determinism,
+    }[args.part]
+    result = fn(settings, Path(args.result))
+    Path(args.result).write_text(json.dumps(result, indent=2, default=str))
+
+
+# ------------------------------------------------------------------------------ driver
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.part:
+        _part_main(args)
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment(args.cpu)
+    report = {"environment": env, "budget_s": args.budget, "parts": {}}
+    settings = settings_for(args.budget, args.cpu)
+    report["settings"] = settings
+    if not args.cpu and not env["cuda_available"]:
+        report["error"] = "no CUDA device: run on a GPU machine, or pass --cpu"
+    else:
+        speed_file = out / ".speed.json"  # the planner part reads part 2's measurements
+        with open(out / "gpu-check.log", "w") as log:
+            for part in args.parts.split(","):
+                s = dict(settings, speed_result=str(speed_file))
+                result = run_part(part, s, SHARES[part] * args.budget, log)
+                report["parts"][part] = result
+                if part == "speed":
+                    speed_file.write_text(json.dumps(result))
+                print(_gpu_report.part_line(part, result), flush=True)
+        speed_file.unlink(missing_ok=True)
+    (out / "gpu-report.json").write_text(json.dumps(report, indent=2, default=str))
+    markdown = _gpu_report.markdown(report)
+    (out / "gpu-report.md").write_text(markdown)
+    print(markdown)
+    bad = [p for p, r in report["parts"].items() if r["status"] in ("failed", "timeout")]
+    return 1 if bad or "error" in report else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
