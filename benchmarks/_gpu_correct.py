@@ -19,13 +19,9 @@ Jobs:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import signal
-import subprocess
 import sys
 import time
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import torch
@@ -34,12 +30,12 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import _procs  # noqa: E402
+from benchmarks._gpu_speed import _check, _write, end_world, init_world, remaining  # noqa: E402
+
 STEPS = 3
-
-
-def _check(name: str, status: str, detail: str = "", t0: float | None = None) -> dict:
-    seconds = round(time.monotonic() - t0, 1) if t0 is not None else None
-    return {"name": name, "status": status, "detail": detail, "seconds": seconds}
+#: tests/test_fsdp_gpu.py's checks (tests/gpu_checks.py), and the GPUs each needs
+GPU_TESTS = {"bf16": 1, "offload": 1, "memory": 1, "parity2": 2}
 
 
 def _gpus() -> int:
@@ -47,66 +43,67 @@ def _gpus() -> int:
 
 
 def _run(cmd: list, timeout: float, env=None) -> tuple[int | None, str]:
-    """Run ``cmd`` in the repository root, in a session of its own (on a time-out the whole
-    job, torchrun's workers too, is killed); (exit code or None on a time-out, output tail)."""
+    """``cmd`` in the repository root for at most ``timeout`` s; its output goes to the
+    part's log; nothing it starts outlives it (``benchmarks/_procs.py``)."""
     env = dict(os.environ, **(env or {}))
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, start_new_session=True)  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        print(out[-6000:], flush=True)
-        return None, out[-3000:]
-    print(out[-6000:], flush=True)  # into the part's log
-    return proc.returncode, out[-3000:]
+    return _procs.run(cmd, timeout, env=env, cwd=ROOT, log=sys.stdout)
 
 
-def _torchrun(job: str, outdir: str, device: str, nproc: int, timeout: float):
+def _torchrun(script: str, args: list, nproc: int, timeout: float):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(Path(__file__)), job, outdir, device]  # fmt: skip
+           f"--nproc-per-node={nproc}", script, *args]  # fmt: skip
     return _run(cmd, timeout, env={"OMP_NUM_THREADS": "1"})
+
+
+def _budget(settings: dict, share: float, reserve: float = 5.0) -> float:
+    """``share`` of what is left of the part's budget, less ``reserve`` seconds."""
+    return max(1.0, share * (remaining(settings) - reserve))
+
+
+def _step(checks: list, name: str, fn, *args) -> bool:
+    """Run one step of a part; an exception becomes a failed check naming it."""
+    t0 = time.monotonic()
+    try:
+        found = fn(*args)
+    except Exception as e:  # the report says what broke; the next step still runs
+        checks.append(_check(name, "failed", f"{type(e).__name__}: {e}"[:800], t0))
+        return False
+    checks += found if isinstance(found, list) else [found]
+    return True
 
 
 # ------------------------------------------------------------------------------ part 1
 def correctness(settings: dict, result_path: Path) -> dict:
     """Part 1: the GPU tests, FSDP x TP on a 2-D mesh, a checkpoint resharded across sizes."""
-    budget = settings.get("part_budget_s", 150.0)
-    checks = []
-    checks += _gpu_tests(settings["tmp"], timeout=0.6 * budget)
-    result_path.write_text(json.dumps({"checks": checks}))
-    checks.append(_fsdp_tp(settings, timeout=0.18 * budget))
-    result_path.write_text(json.dumps({"checks": checks}))
-    checks += _reshard(settings, timeout=0.18 * budget)
-    return {"checks": checks}
+    result = {"checks": []}
+    checks = result["checks"]
+    for name, nproc in GPU_TESTS.items():
+        left = len(GPU_TESTS) - list(GPU_TESTS).index(name) + 2  # this one, the rest, 2 more
+        _step(checks, f"test_fsdp_gpu: {name}", _gpu_test, settings, name, nproc, 1 / left)
+        _write(result_path, result)
+    _step(checks, "FSDP x TP on a 2-D mesh", _fsdp_tp, settings, 0.5)
+    _write(result_path, result)
+    _step(checks, "checkpoint reshard", _reshard, settings)
+    return result
 
 
-def _gpu_tests(tmp: str, timeout: float) -> list:
-    """``tests/test_fsdp_gpu.py`` under pytest; one check per test, from its JUnit XML."""
+def _gpu_test(settings: dict, check: str, nproc: int, share: float) -> dict:
+    """One check of ``tests/test_fsdp_gpu.py``, run as that test runs it (torchrun of
+    ``tests/gpu_checks.py``), with a time limit of its own."""
+    name = f"test_fsdp_gpu: {check}"
+    if settings["device"] != "cuda":
+        return _check(name, "skipped", "needs CUDA (tests/test_fsdp_gpu.py skips it here too)")
+    if _gpus() < nproc:
+        return _check(name, "skipped", f"needs {nproc} GPUs, this machine has {_gpus()}")
     t0 = time.monotonic()
-    xml = Path(tmp) / "gpu-tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "tests/test_fsdp_gpu.py", "-q", "-rA",
-           "-p", "no:cacheprovider", f"--junitxml={xml}"]  # fmt: skip
-    rc, tail = _run(cmd, timeout)
-    if rc is None or not xml.exists():
-        why = "timed out" if rc is None else f"pytest exited {rc}"
-        return [_check("tests/test_fsdp_gpu.py", "failed", f"{why}: {tail[-800:]}", t0)]
-    checks = []
-    for case in ET.parse(xml).getroot().iter("testcase"):
-        name = case.get("name")
-        seconds = float(case.get("time", 0))
-        status, detail = "ok", ""
-        for tag, verdict in (("failure", "failed"), ("error", "failed"), ("skipped", "skipped")):
-            node = case.find(tag)
-            if node is not None:
-                status = verdict
-                detail = (node.get("message") or "")[:800]
-        checks.append({"name": name, "status": status, "detail": detail, "seconds": seconds})
-    return checks
+    rc, tail = _torchrun("tests/gpu_checks.py", [check], nproc, _budget(settings, share))
+    if rc == 0 and f"gpu check {check}: ok" in tail:
+        return _check(name, "ok", "", t0)
+    why = "ran over its time (killed)" if rc is None else f"exit {rc}"
+    return _check(name, "failed", f"{why}: {tail[-800:]}", t0)
 
 
-def _fsdp_tp(settings: dict, timeout: float) -> dict:
+def _fsdp_tp(settings: dict, share: float) -> dict:
     """FSDP x TP on a ``(dp, 2)`` mesh: 2 x 2 on four GPUs, 1 x 2 on two GPUs or the CPU
     (``make test`` runs the CPU one: two processes start faster than four), 1 x 1 on one GPU."""
     t0 = time.monotonic()
@@ -114,23 +111,22 @@ def _fsdp_tp(settings: dict, timeout: float) -> dict:
     nproc = 2 if device == "cpu" else (4 if _gpus() >= 4 else 2 if _gpus() >= 2 else 1)
     outdir = Path(settings["tmp"]) / "fsdp_tp"
     outdir.mkdir()
-    rc, tail = _torchrun("fsdp_tp", str(outdir), device, nproc, timeout)
+    args = ["fsdp_tp", str(outdir), device]
+    rc, tail = _torchrun(str(Path(__file__)), args, nproc, _budget(settings, share))
     shape = f"{max(1, nproc // 2)}x{min(2, nproc)}"
     name = f"FSDP x TP on a {shape} mesh vs one process"
     if rc != 0:
         return _check(name, "failed", f"exit {rc}: {tail[-800:]}", t0)
-    note = "one GPU: the 2-D path on CUDA tensors, no peers; " if nproc == 1 else ""
+    note = "one GPU: the 2-D code path on CUDA tensors, no sharding, no peers; " * (nproc == 1)
     return _check(name, "ok", note + (outdir / "summary").read_text(), t0)
 
 
-def _reshard(settings: dict, timeout: float) -> list:
+def _reshard(settings: dict) -> list:
     """One process on the device saves at world size 1; 2 CPU ranks load that (and compare),
     train a step and save; the device process loads it back (and compares)."""
     device = settings["device"]
     base = Path(settings["tmp"]) / "reshard"
     base.mkdir()
-    from benchmarks._gpu_speed import init_world
-
     init_world(device)
     checks = []
     t0 = time.monotonic()
@@ -139,7 +135,8 @@ def _reshard(settings: dict, timeout: float) -> list:
     _save(model, base, "from-device")
     checks.append(_check(f"checkpoint save (1 rank, {device})", "ok", "", t0))
     t0 = time.monotonic()
-    rc, tail = _torchrun("ckpt_cpu", str(base), "cpu", 2, timeout)
+    rc, tail = _torchrun(str(Path(__file__)), ["ckpt_cpu", str(base), "cpu"], 2,
+                         _budget(settings, 0.8))  # fmt: skip
     name = "checkpoint load, train, save (2 ranks, cpu)"
     if rc != 0:
         return checks + [_check(name, "failed", f"exit {rc}: {tail[-800:]}", t0)]
@@ -148,6 +145,7 @@ def _reshard(settings: dict, timeout: float) -> list:
     _load_and_compare(base, "from-cpu", device, seed=2)
     what = f"loaded bit for bit onto {device}"
     checks.append(_check(f"checkpoint load (1 rank, {device})", "ok", what, t0))
+    end_world()
     return checks
 
 
@@ -313,26 +311,31 @@ def _bitwise_equal(a: dict, b: dict) -> list:
 
 def determinism(settings: dict, result_path: Path) -> dict:
     """Part 5: two seeded runs bit for bit (deterministic algorithms, the math attention
-    kernel; then the default kernels, reported as found), and out-of-step detection on NCCL
-    when two GPUs can each run a rank."""
-    from benchmarks._gpu_speed import init_world
-
+    kernel; then the default attention kernels, still under deterministic algorithms,
+    reported as found), and out-of-step detection on NCCL when two GPUs can each run a rank."""
     device = settings["device"]
     init_world(device)
     torch.use_deterministic_algorithms(True, warn_only=True)
-    checks = []
-    for math_attention, name in ((True, "deterministic algorithms, math attention"),
-                                 (False, "default attention kernels")):  # fmt: skip
-        t0 = time.monotonic()
-        (l1, p1), (l2, p2) = (_determinism_run(settings, math_attention) for _ in range(2))
-        differ = _bitwise_equal(p1, p2)
-        same = not differ and l1 == l2
-        status = "ok" if same or not math_attention else "failed"
-        detail = "bit-identical" if same else f"differ: losses {l1} vs {l2}; params {differ[:5]}"
-        checks.append(_check(f"two runs, {name}", status, detail, t0))
-    result_path.write_text(json.dumps({"checks": checks}))
-    checks.append(_out_of_step(settings))
-    return {"checks": checks}
+    result = {"checks": []}
+    checks = result["checks"]
+    runs = ((True, "deterministic algorithms, math attention"),
+            (False, "deterministic algorithms, default attention kernels (reported)"))  # fmt: skip
+    for math_attention, name in runs:
+        _step(checks, f"two runs, {name}", _two_runs, settings, math_attention, name)
+        _write(result_path, result)
+    end_world()
+    _step(checks, "out-of-step detection on NCCL", _out_of_step, settings)
+    return result
+
+
+def _two_runs(settings: dict, math_attention: bool, name: str) -> dict:
+    t0 = time.monotonic()
+    (l1, p1), (l2, p2) = (_determinism_run(settings, math_attention) for _ in range(2))
+    differ = _bitwise_equal(p1, p2)
+    same = not differ and l1 == l2
+    status = "ok" if same or not math_attention else "failed"
+    detail = "bit-identical" if same else f"differ: losses {l1} vs {l2}; params {differ[:5]}"
+    return _check(f"two runs, {name}", status, detail, t0)
 
 
 def _out_of_step(settings: dict) -> dict:
@@ -346,7 +349,7 @@ def _out_of_step(settings: dict) -> dict:
     outdir.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "-m", "tests._faults", "skip_all_gather", str(outdir), "2.0"]  # fmt: skip
-    rc, tail = _run(cmd, 90, env={"FAULTS_DEVICE": "cuda"})
+    rc, tail = _run(cmd, _budget(settings, 1.0, reserve=2.0), env={"FAULTS_DEVICE": "cuda"})
     logs = "".join((outdir / f"rank{r}.log").read_text() for r in (0, 1)
                    if (outdir / f"rank{r}.log").exists())  # fmt: skip
     named = "ranks diverge at #" in logs or "is behind" in logs

@@ -50,9 +50,13 @@ def _speed(result: dict) -> list:
                      f"{a['peak_reserved_gib']:.3g}" if "peak_reserved_gib" in a else "-",
                      f"{a['losses'][-1]:.4f}"))  # fmt: skip
     params = arms[0]["params"] / 1e9
+    cuda = "peak_allocated_gib" in arms[0]
+    peak = ("peak: `torch.cuda.max_memory_allocated` / `_reserved` over the timed steps"
+            if cuda else "peak: PyTorch's MemTracker over one more step (live tensor bytes)")  # fmt: skip
     out = [f"Llama-style model, {params:.2f}B parameters, bf16 compute, fp32 reduction, "
-           "world size 1; median step of the timed steps.", ""]  # fmt: skip
-    out += _table(["lib", "mode", "step (s)", "tokens/s", "MFU", "peak alloc (GiB)",
+           f"world size 1, both libraries from the same weights and batch; median step of "
+           f"the timed steps; {peak}; MFU against {arms[0].get('peak_flops', '-')}.", ""]  # fmt: skip
+    out += _table(["lib", "mode", "step (s)", "tokens/s", "MFU", "peak (GiB)",
                    "peak reserved (GiB)", "last loss"], rows)  # fmt: skip
     from benchmarks._gpu_speed import compare
 

@@ -1,26 +1,40 @@
 """The GPU check's parts 2-4 (``benchmarks/gpu_check.py``): speed, dispatch, the planner.
 
-Each runs in its own process at world size 1 (a one-rank process group on a ``HashStore``:
-NCCL on the GPU, gloo on the CPU) and returns a dict for the report. Part 2 writes what it
-has measured after every arm, so an arm that runs over the budget keeps the ones before it.
+Everything runs at world size 1 (a one-rank process group on a ``HashStore``: NCCL on the
+GPU, gloo on the CPU). Part 2 runs every arm - one library in one mode - in a process of its
+own (``python benchmarks/_gpu_speed.py arm LIB MODE SETTINGS OUT``) with its own deadline, so
+an arm that hangs, crashes or runs out of memory costs that arm only, and its peak memory is
+its own. Both libraries' arms start from the same weights (drawn on the device from one
+seeded generator, [Note: same weights]) and the same batch, so their losses must agree: a
+fast arm that trains wrongly is a failure, not a win.
 """
 
 from __future__ import annotations
 
-import gc
 import json
+import os
+import shutil
 import statistics
+import sys
+import sysconfig
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import _procs  # noqa: E402
+
 #: in the order they run: compilation last, so that its fixed cost running over the budget
 #: leaves the other modes measured
 MODES = ("eager", "ac", "offload", "compiled")
 LIBS = ("ours", "torch")
 GiB = 2**30
+#: ours and PyTorch's losses per step, same weights and batch, bf16 compute (relative)
+LOSS_RTOL = 2e-2
 
 
 def init_world(device: str) -> None:
@@ -35,16 +49,42 @@ def init_world(device: str) -> None:
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
+def end_world() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def llama_config(settings: dict, **kw):
     from examples.llama import LlamaConfig
 
     return LlamaConfig(**settings["model"], max_seq_len=settings["seq"], **kw)
 
 
-# ------------------------------------------------------------------------------ part 2
+def remaining(settings: dict) -> float:
+    """Seconds left of this part's budget."""
+    return settings["deadline"] - time.time()
+
+
+def _check(name: str, status: str, detail: str = "", t0: float | None = None) -> dict:
+    seconds = round(time.monotonic() - t0, 1) if t0 is not None else None
+    return {"name": name, "status": status, "detail": detail, "seconds": seconds}
+
+
+def peak_flops() -> tuple[float | None, str]:
+    """Dense bf16 peak FLOP/s of this GPU for MFU, and where the figure comes from."""
+    name = torch.cuda.get_device_name()
+    table = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
+             ("H200", 989e12), ("A100", 312e12))  # fmt: skip
+    for key, flops in table:
+        if key in name:
+            return flops, f"{flops / 1e12:.0f} TFLOP/s dense bf16 ({key} data sheet)"
+    return None, f"unknown for {name!r}: MFU not given"
+
+
+# ------------------------------------------------------------------------------ one arm
 def _shard(lib: str, mode: str, settings: dict):
     """The arm's model: built on meta, ``fully_shard`` per block and the root (bf16 compute,
-    fp32 reduction), blocks compiled first in ``compiled``, materialized and initialized."""
+    fp32 reduction), blocks compiled first in ``compiled``, materialized, same weights."""
     from examples.llama import Llama
 
     device = settings["device"]
@@ -68,9 +108,25 @@ def _shard(lib: str, mode: str, settings: dict):
         fully_shard(block, **kw)
     fully_shard(model, **kw)
     model.to_empty(device="cpu" if mode == "offload" else device)
-    torch.manual_seed(0)
-    model.reset_parameters()
+    same_weights(model, device)
     return model
+
+
+@torch.no_grad()
+def same_weights(model, device: str) -> None:
+    """[Note: same weights] Every full parameter drawn in name order from one generator
+    seeded 0 on ``device``, and copied into its local shard (world size 1: the whole
+    tensor). ``reset_parameters`` on sharded parameters draws differently per library
+    (PyTorch's DTensor keeps its own offset-based generator on CUDA)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, p in model.named_parameters():
+        full = torch.empty(p.shape, dtype=p.dtype, device=device)
+        std = model.init_std(name)
+        if std is None:
+            full.fill_(1.0)
+        else:
+            full.normal_(0.0, std, generator=gen)
+        p.to_local().copy_(full)
 
 
 def _sync(device: str) -> float:
@@ -92,11 +148,11 @@ def _tracked_peak(model, opt, step) -> int:
 
 def run_arm(lib: str, mode: str, settings: dict) -> dict:
     """Train the arm's warm-up and timed steps; its step time, tokens/s, MFU and peaks."""
-    from benchmarks.train_bench import peak_flops
     from examples.gpt import gpt_loss
 
     device = settings["device"]
     cuda = device == "cuda"
+    init_world(device)
     model = _shard(lib, mode, settings)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     cfg = model.cfg
@@ -123,7 +179,7 @@ def run_arm(lib: str, mode: str, settings: dict) -> dict:
         times.append(_sync(device) - t0)
     step_s = statistics.median(times[warmup:])
     tokens = shape[0] * shape[1]
-    flops = peak_flops(device)
+    flops, source = peak_flops() if cuda else (None, "no GPU")
     out = {
         "lib": lib,
         "mode": mode,
@@ -132,6 +188,7 @@ def run_arm(lib: str, mode: str, settings: dict) -> dict:
         "steps_s": times,
         "tokens_per_s": tokens / step_s,
         "mfu": cfg.flops_per_token(shape[1]) * tokens / step_s / flops if flops else None,
+        "peak_flops": source,
         "losses": losses,
     }
     if cuda:
@@ -142,35 +199,81 @@ def run_arm(lib: str, mode: str, settings: dict) -> dict:
     return out
 
 
-def _free(device: str) -> None:
-    torch._dynamo.reset()
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
+def _arm_main(argv: list) -> None:
+    lib, mode, settings, out = argv[0], argv[1], json.loads(argv[2]), Path(argv[3])
+    result = run_arm(lib, mode, settings)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, out)
+    end_world()
+
+
+# ------------------------------------------------------------------------------ part 2
+def _compile_toolchain() -> str | None:
+    """Why inductor cannot build its GPU launchers here (a C compiler, ``Python.h``), or None."""
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        return "no C compiler (cc / gcc) on PATH: inductor cannot build Triton's launchers"
+    header = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not header.exists():
+        return f"no {header}: inductor cannot build Triton's launchers"
+    return None
+
+
+def _arm_process(lib: str, mode: str, settings: dict, timeout: float) -> tuple[dict | None, str]:
+    out = Path(settings["tmp"]) / f"arm-{lib}-{mode}.json"
+    cmd = [sys.executable, __file__, "arm", lib, mode, json.dumps(settings), str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1") if settings["device"] == "cpu" else None
+    rc, tail = _procs.run(cmd, timeout, env=env, cwd=ROOT, log=sys.stdout)
+    if rc == 0 and out.exists():
+        return json.loads(out.read_text()), ""
+    why = "ran over its time (killed)" if rc is None else f"exit {rc}"
+    last = [ln for ln in tail.splitlines() if ln.strip()][-3:]
+    return None, f"{why}: {' / '.join(last)[-600:]}"
 
 
 def speed(settings: dict, result_path: Path) -> dict:
     """Part 2: ours and PyTorch's FSDP2 in every mode, alternating which goes first."""
-    device = settings["device"]
-    init_world(device)
-    result = {"arms": [], "checks": [], "settings": settings}
+    result = {"arms": [], "checks": []}
+    no_compile = _compile_toolchain() if settings["device"] == "cuda" else None
     for i, mode in enumerate(MODES):
+        skip = no_compile if mode == "compiled" else None
         if mode == "offload" and not settings["offload_steps"]:
-            result["checks"].append(_check(f"{mode}", "skipped", "the compute device is the CPU"))
-            continue
+            skip = "the compute device is the CPU"
         for lib in LIBS if i % 2 == 0 else LIBS[::-1]:
             name = f"{lib} {mode}"
+            left = remaining(settings) - 2.0
+            if skip or left < settings["min_arm_s"]:
+                why = skip or f"no time left ({left:.0f} s of the part's budget)"
+                result["checks"].append(_check(name, "skipped", why))
+                continue
             t0 = time.monotonic()
-            try:
-                arm = run_arm(lib, mode, settings)
+            arm, why = _arm_process(lib, mode, settings, left)
+            if arm is None:
+                result["checks"].append(_check(name, "failed", why, t0))
+            else:
                 result["arms"].append(arm)
                 result["checks"].append(_check(name, "ok", f"{arm['step_s']:.3f} s/step", t0))
-            except Exception as e:  # the next arm still runs; the report says what broke
-                result["checks"].append(_check(name, "failed", f"{type(e).__name__}: {e}", t0))
-            _free(device)
-            result_path.write_text(json.dumps(result, default=str))  # kept if a later arm hangs
+            _write(result_path, result)  # kept if the part is killed later
+        result["checks"] += _losses_agree(result["arms"], mode)
     result["comparison"] = compare(result["arms"])
     return result
+
+
+def _losses_agree(arms: list, mode: str) -> list:
+    by = {a["lib"]: a for a in arms if a["mode"] == mode}
+    if set(by) != set(LIBS):
+        return []
+    ours, theirs = by["ours"]["losses"], by["torch"]["losses"]
+    worst = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(ours, theirs))
+    status = "ok" if worst <= LOSS_RTOL else "failed"
+    detail = f"largest relative difference {worst:.1e} over {len(ours)} steps (bound {LOSS_RTOL})"
+    return [_check(f"{mode}: ours trains like PyTorch's FSDP2", status, detail)]
+
+
+def _write(path: Path, result: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, default=str))
+    os.replace(tmp, path)
 
 
 def compare(arms: list) -> list:
@@ -195,11 +298,6 @@ def compare(arms: list) -> list:
     return rows
 
 
-def _check(name: str, status: str, detail: str = "", t0: float | None = None) -> dict:
-    seconds = round(time.monotonic() - t0, 1) if t0 is not None else None
-    return {"name": name, "status": status, "detail": detail, "seconds": seconds}
-
-
 # ------------------------------------------------------------------------------ part 3
 def dispatch(settings: dict, result_path: Path) -> dict:
     """Part 3: the per-op dispatch table (``benchmarks/dispatch_bench.py``) on the device."""
@@ -210,8 +308,9 @@ def dispatch(settings: dict, result_path: Path) -> dict:
     rounds = settings["dispatch_rounds"]
     t0 = time.monotonic()
     tables = dispatch_bench.measure(rounds, 20, rounds, device=device)
+    end_world()
     hit, miss = tables["hit"]["geomean"], tables["miss"]["geomean"]
-    detail = f"geomean ours/torch: hit {hit:.2f}x, miss {miss:.2f}x"
+    detail = f"geomean ours/torch: hit {hit:.2f}x, miss {miss:.2f}x (host time per call)"
     return {"tables": tables, "checks": [_check("dispatch table", "ok", detail, t0)]}
 
 
@@ -230,7 +329,7 @@ def planner(settings: dict, result_path: Path) -> dict:
         model = Llama(llama_config(settings))
     profile = profile_model(model, seq_len=settings["seq"])
     hardware = H100 if settings["device"] == "cuda" else CPU
-    rows, checks = [], []
+    rows = []
     for arm in arms:
         measured = arm.get("peak_allocated_gib", arm.get("tracked_peak_gib"))
         if measured is None:
@@ -239,14 +338,22 @@ def planner(settings: dict, result_path: Path) -> dict:
                          activation_checkpointing=arm["mode"] == "ac",
                          offload=arm["mode"] == "offload", batch_size=settings["batch"])  # fmt: skip
         est = estimate(profile, cfg, hardware)
+        label = f"{arm['lib']} {arm['mode']}"
+        if arm["mode"] == "compiled":
+            label += " (predicted as eager: compilation is not modelled)"
         rows.append({
-            "arm": f"{arm['lib']} {arm['mode']}",
+            "arm": label,
             "predicted_gib": est.peak_gib,
             "measured_gib": measured,
             "predicted_over_measured": est.peak_gib / measured,
             "peak_phase": est.peak_phase,
             "categories_gib": {k: v / GiB for k, v in est.categories.items()},
         })  # fmt: skip
-    detail = ", ".join(f"{r['arm']} {r['predicted_over_measured']:.2f}x" for r in rows)
-    checks.append(_check("planner vs measured", "ok" if rows else "skipped", detail))
-    return {"rows": rows, "checks": checks}
+    detail = ", ".join(
+        f"{r['arm'].split(' (')[0]} {r['predicted_over_measured']:.2f}x" for r in rows
+    )
+    return {"rows": rows, "checks": [_check("planner vs measured", "ok", detail)]}
+
+
+if __name__ == "__main__" and sys.argv[1] == "arm":
+    _arm_main(sys.argv[2:])

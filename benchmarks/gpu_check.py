@@ -6,25 +6,29 @@ hand, in one run of about eight minutes, with one report.
     python3 benchmarks/gpu_check.py --out DIR --cpu          # the same script end to end on CPU
     make gpu-check GPU_REPORT=DIR [GPU_ARGS=--cpu]
 
-It needs no venv and installs nothing: PyTorch (2.11 to 2.13), numpy, rich and safetensors as
-the machine has them. Each part runs in a process of its own with its own time budget (a
-share of ``--budget``); a part that fails, crashes or runs over is reported as such and the
-next part runs. Parts (``--parts`` picks some):
+It needs no venv and installs nothing: PyTorch (2.11 to 2.13), numpy and safetensors as the
+machine has them. Each part runs in a process of its own with its own time budget (a share
+of ``--budget``); a part that fails, crashes or runs over is reported as such and the next
+part runs. Parts (``--parts`` picks some):
 
-1. ``correctness``: ``tests/test_fsdp_gpu.py`` (bf16 against PyTorch's FSDP2, CPU offload
-   against no offload, CUDA's memory counters against the tracker); FSDP x TP on a 2-D mesh
-   against one process; a checkpoint saved by 2 CPU ranks loaded on the device at one rank,
-   and back.
+1. ``correctness``: ``tests/test_fsdp_gpu.py``'s checks (bf16 against PyTorch's FSDP2, CPU
+   offload against no offload, CUDA's memory counters against the tracker), each the torchrun
+   job that test runs, with its own time limit; FSDP x TP on a 2-D mesh (as large as the
+   GPUs allow) against one process; a checkpoint saved on the device at one rank, loaded
+   by 2 CPU ranks, and back.
 2. ``speed``: a Llama-style model (~1B parameters at the full budget) in bf16 at world size
-   1, our ``fully_shard`` against PyTorch's FSDP2: eager, compiled, with activation
-   checkpointing, and with CPU offload; step time, tokens/s, MFU, peak memory.
+   1, our ``fully_shard`` against PyTorch's FSDP2 from the same weights: eager, with
+   activation checkpointing, with CPU offload, and compiled; step time, tokens/s, MFU, peak
+   memory, and the losses of both, which must agree. Each arm is a process of its own.
 3. ``dispatch``: ``benchmarks/dispatch_bench.py``'s per-op table with tensors on the device.
 4. ``planner``: the planner's predicted peak against the measured peaks of part 2.
 5. ``determinism``: two seeded runs bit-identical on the device; out-of-step detection on
    NCCL when two GPUs can run one rank each.
 
-Writes ``DIR/gpu-report.json``, ``DIR/gpu-report.md`` and ``DIR/gpu-check.log`` (every part's
-output), and exits 1 when any part failed or ran over, 0 otherwise (a skip is not a failure).
+Writes ``DIR/gpu-report.json``, ``DIR/gpu-report.md`` (again after every part, so a run cut
+short keeps what it measured) and ``DIR/gpu-check.log`` (every part's output), and exits 1
+when any part failed or ran over, 0 otherwise (a skip is not a failure). Every process a
+part starts (torchrun's workers too) is killed when the part ends or runs over.
 ``--cpu`` runs everything on the CPU with tiny sizes (``tests/test_gpu_check.py`` runs it in
 ``make test``, so the script cannot rot before a GPU comes); there, compiled arms use the
 ``aot_eager`` backend (no C++ build) and the offload arms are skipped.
@@ -36,7 +40,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,16 +48,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import _gpu_report  # noqa: E402
+from benchmarks import _gpu_report, _procs  # noqa: E402
 
-#: Each part's share of the budget; what is left over covers process starts and the report.
+#: Each part's share of the budget; what is left covers the probe, process starts and the
+#: report. A part also stops at the run's deadline (start + budget - RESERVE_S), whatever
+#: its share: the report is written after every part, so a killed run keeps what it had.
 SHARES = {
-    "correctness": 0.32,
+    "correctness": 0.31,
     "speed": 0.42,
     "dispatch": 0.06,
     "planner": 0.05,
     "determinism": 0.10,
 }
+RESERVE_S = 3.0
 PARTS = tuple(SHARES)
 SUPPORTED_TORCH = ((2, 11), (2, 13))  # the oldest and newest minor releases tested
 DEFAULT_BUDGET_S = 480.0
@@ -70,6 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cpu", action="store_true", help="run on the CPU with tiny sizes")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # one part, in its process
+    p.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # the environment, to FILE
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     p.add_argument("--settings", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -88,18 +95,21 @@ def settings_for(budget_s: float, cpu: bool) -> dict:
     if cpu:
         model = dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160)
         return dict(device="cpu", model=model, batch=2, seq=32, warmup=1, steps=2,
-                    offload_steps=0, compile_backend="aot_eager", dispatch_rounds=5)  # fmt: skip
+                    offload_steps=0, compile_backend="aot_eager", dispatch_rounds=5,
+                    min_arm_s=3.0)  # fmt: skip
     scale = min(1.0, budget_s / DEFAULT_BUDGET_S)
     model = dict(vocab_size=32000, dim=2048, n_layers=max(2, round(18 * scale)), n_heads=16,
                  n_kv_heads=8, ffn_dim=5632)  # fmt: skip
     return dict(device="cuda", model=model, batch=4, seq=2048, warmup=2,
-                steps=max(2, round(6 * scale)), offload_steps=max(1, round(3 * scale)),
-                compile_backend="inductor", dispatch_rounds=max(11, round(41 * scale)))  # fmt: skip
+                steps=max(2, round(6 * scale)), offload_steps=max(1, round(2 * scale)),
+                compile_backend="inductor", dispatch_rounds=max(11, round(41 * scale)),
+                min_arm_s=20.0)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ environment
 def environment(cpu: bool) -> dict:
-    """What this machine has: PyTorch, CUDA, the GPUs, NCCL; whether the torch is supported."""
+    """What this machine has: PyTorch, CUDA, the GPUs, NCCL; whether the torch is supported.
+    Runs in the probe's own process (``--probe``): the driver never touches the GPU."""
     import torch
 
     version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
@@ -131,32 +141,35 @@ def environment(cpu: bool) -> dict:
     return env
 
 
+def _probe(cpu: bool, tmp: str) -> dict:
+    out = Path(tmp) / "environment.json"
+    cmd = [sys.executable, __file__, "--out", tmp, "--probe", str(out)] + ["--cpu"] * cpu
+    rc, tail = _procs.run(cmd, 120, cwd=ROOT)
+    if rc != 0 or not out.exists():
+        return {"mode": "cpu" if cpu else "cuda", "error": f"the probe failed ({rc}): {tail}"}
+    return json.loads(out.read_text())
+
+
 # ------------------------------------------------------------------------------ one part
 def run_part(part: str, settings: dict, budget_s: float, log) -> dict:
-    """Run ``part`` in a process of its own, killed after ``budget_s``; its result dict, or
-    one that says how it failed."""
-    with tempfile.TemporaryDirectory() as tmp:
+    """Run ``part`` in a process of its own for at most ``budget_s``; its result dict, or
+    one that says how it failed. Nothing it started outlives it."""
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         result_file = Path(tmp) / "result.json"
-        settings = dict(settings, tmp=tmp, part_budget_s=budget_s)
+        settings = dict(settings, tmp=tmp, deadline=time.time() + budget_s)
         cmd = [sys.executable, __file__, "--out", tmp, "--part", part,
                "--result", str(result_file), "--settings", json.dumps(settings)]  # fmt: skip
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
         if settings["device"] == "cuda":
             env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # determinism's cuBLAS
         log.write(f"\n===== part {part} (budget {budget_s:.0f} s) =====\n")
-        log.flush()
         t0 = time.monotonic()
-        # a session of its own: on a time-out the whole group (its torchrun jobs) is killed
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                cwd=ROOT, start_new_session=True)  # fmt: skip
-        try:
-            rc = proc.wait(timeout=budget_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            rc = None
+        rc, _ = _procs.run(cmd, budget_s, env=env, cwd=ROOT, log=log)
         elapsed = time.monotonic() - t0
-        result = json.loads(result_file.read_text()) if result_file.exists() else {}
+        try:
+            result = json.loads(result_file.read_text()) if result_file.exists() else {}
+        except ValueError:  # cut short while writing (parts write atomically, but still)
+            result = {}
     result.setdefault("checks", [])
     if rc is None:
         result["status"] = "timeout"
@@ -180,7 +193,8 @@ def _status_of(checks: list) -> str:
 
 
 def _part_main(args) -> None:
-    """Inside a part's process: run it, write its result."""
+    """Inside a part's process: run it, write its result (atomically); an exception is
+    recorded as the part's error, with the checks it had written so far."""
     from benchmarks import _gpu_correct, _gpu_speed
 
     if os.environ.get(HANG_FOR_TESTS) == args.part:
@@ -193,41 +207,72 @@ def _part_main(args) -> None:
         "planner": _gpu_speed.planner,
         "determinism": _gpu_correct.determinism,
     }[args.part]
-    result = fn(settings, Path(args.result))
-    Path(args.result).write_text(json.dumps(result, indent=2, default=str))
+    path = Path(args.result)
+    try:
+        result = fn(settings, path)
+    except Exception as e:
+        import traceback
+
+        traceback.print_exc()
+        result = json.loads(path.read_text()) if path.exists() else {"checks": []}
+        result.update(status="failed", error=f"{type(e).__name__}: {e}"[:1000])
+    _gpu_speed._write(path, result)
+    _gpu_speed.end_world()
 
 
 # ------------------------------------------------------------------------------ driver
+def _write_report(out: Path, report: dict) -> None:
+    for name, text in (("gpu-report.json", json.dumps(report, indent=2, default=str)),
+                       ("gpu-report.md", _gpu_report.markdown(report))):  # fmt: skip
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, out / name)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.probe:
+        Path(args.probe).write_text(json.dumps(environment(args.cpu)))
+        return 0
     if args.part:
         _part_main(args)
         return 0
+    deadline = time.monotonic() + args.budget - RESERVE_S
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = environment(args.cpu)
-    report = {"environment": env, "budget_s": args.budget, "parts": {}}
     settings = settings_for(args.budget, args.cpu)
-    report["settings"] = settings
-    if not args.cpu and not env["cuda_available"]:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
+        env = _probe(args.cpu, tmp)
+    report = {"environment": env, "budget_s": args.budget, "settings": settings, "parts": {}}
+    if "error" in env:
+        report["error"] = env["error"]
+    elif not args.cpu and not env["cuda_available"]:
         report["error"] = "no CUDA device: run on a GPU machine, or pass --cpu"
     else:
-        speed_file = out / ".speed.json"  # the planner part reads part 2's measurements
-        with open(out / "gpu-check.log", "w") as log:
-            for part in args.parts.split(","):
-                s = dict(settings, speed_result=str(speed_file))
-                result = run_part(part, s, SHARES[part] * args.budget, log)
-                report["parts"][part] = result
-                if part == "speed":
-                    speed_file.write_text(json.dumps(result))
-                print(_gpu_report.part_line(part, result), flush=True)
-        speed_file.unlink(missing_ok=True)
-    (out / "gpu-report.json").write_text(json.dumps(report, indent=2, default=str))
-    markdown = _gpu_report.markdown(report)
-    (out / "gpu-report.md").write_text(markdown)
-    print(markdown)
+        _run_parts(args, settings, report, out, deadline)
+    _write_report(out, report)
+    print(_gpu_report.markdown(report))
     bad = [p for p, r in report["parts"].items() if r["status"] in ("failed", "timeout")]
     return 1 if bad or "error" in report else 0
+
+
+def _run_parts(args, settings: dict, report: dict, out: Path, deadline: float) -> None:
+    speed_file = out / ".speed.json"  # the planner part reads part 2's measurements
+    with open(out / "gpu-check.log", "w") as log:
+        for part in args.parts.split(","):
+            budget = min(SHARES[part] * args.budget, deadline - time.monotonic())
+            if budget < 2.0:
+                result = {"status": "skipped", "checks": [], "seconds": 0.0, "budget_s": 0.0,
+                          "error": "no time left of --budget"}  # fmt: skip
+            else:
+                s = dict(settings, speed_result=str(speed_file))
+                result = run_part(part, s, budget, log)
+            report["parts"][part] = result
+            if part == "speed":
+                speed_file.write_text(json.dumps(result))
+            print(_gpu_report.part_line(part, result), flush=True)
+            _write_report(out, report)  # a run killed later keeps every part so far
+    speed_file.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -138,16 +138,27 @@ class Llama(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.reset_parameters()
 
+    def init_std(self, name: str) -> float | None:
+        """The standard deviation parameter ``name`` is drawn with (None: a norm, set to one).
+
+        Example:
+            >>> model.init_std("blocks.0.feed_forward.w2.weight")    # 0.02 / sqrt(2 n_layers)
+        """
+        if name.endswith("norm.weight"):
+            return None
+        if name.endswith(("wo.weight", "w2.weight")):
+            return 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        return 0.02
+
     def reset_parameters(self) -> None:
         """Normal(0, 0.02) weights, output projections scaled by depth, norms at one;
         in-place only, so it runs on sharded parameters too."""
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
+            std = self.init_std(name)
+            if std is None:
                 nn.init.ones_(p)
-            elif name.endswith(("wo.weight", "w2.weight")):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.cfg.n_layers))
             else:
-                nn.init.normal_(p, std=0.02)
+                nn.init.normal_(p, std=std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(idx)

@@ -49,6 +49,8 @@ def test_cpu_mode_runs_every_part_and_writes_the_report(tmp_path):
         assert all(math.isfinite(v) for v in ours)
         assert ours == theirs or max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-2, mode
     assert {r["mode"] for r in parts["speed"]["comparison"]} == {"eager", "compiled", "ac"}
+    for mode in ("eager", "compiled", "ac"):  # same weights and batch: the losses agree
+        assert checks[f"{mode}: ours trains like PyTorch's FSDP2"]["status"] == "ok", checks
     assert len(parts["dispatch"]["tables"]["hit"]["ops"]) == 8
     assert {r["arm"] for r in parts["planner"]["rows"]} >= {"ours eager", "ours ac"}
     md = (tmp_path / "gpu-report.md").read_text()
@@ -77,3 +79,29 @@ def test_sizes_scale_with_the_budget():
 
     params = LlamaConfig(**full["model"]).num_params()
     assert 0.9e9 < params < 1.1e9, params  # the "~1B" the report claims
+
+
+def test_nothing_a_part_starts_outlives_it(tmp_path):
+    """A grandchild in a session of its own (as torchrun starts its workers) is killed when
+    its parent runs over, and the call returns at the deadline, not when the grandchild ends.
+    (In a process of its own: ``_procs.run`` makes its caller a child subreaper.)"""
+    marker = tmp_path / "pid"
+    grandchild = (
+        "import os, time; open(os.environ['MARK'], 'w').write(str(os.getpid())); time.sleep(60)"
+    )
+    child = (
+        "import subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-c', {grandchild!r}], start_new_session=True); "
+        "time.sleep(60)"
+    )
+    caller = (
+        "import sys, time; from benchmarks import _procs; t0 = time.monotonic(); "
+        f"rc, _ = _procs.run([sys.executable, '-c', {child!r}], 3.0); "
+        "print(rc, round(time.monotonic() - t0, 1))"
+    )
+    env = dict(os.environ, MARK=str(marker), PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", caller], env=env, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    rc, seconds = out.stdout.split()
+    assert rc == "None" and float(seconds) < 15, out.stdout + out.stderr
+    assert not Path(f"/proc/{int(marker.read_text())}").exists()
