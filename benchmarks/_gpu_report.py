@@ -4,7 +4,8 @@ same in a terminal, a pull request or an issue)."""
 
 from __future__ import annotations
 
-ICON = {"ok": "ok", "failed": "FAILED", "timeout": "TIMEOUT", "skipped": "skipped"}
+ICON = {"ok": "ok", "failed": "FAILED", "timeout": "TIMEOUT", "skipped": "skipped",
+        "running": "RUNNING (the run was cut here)"}  # fmt: skip
 
 
 def part_line(part: str, result: dict) -> str:
@@ -17,6 +18,10 @@ def _table(header: list, rows: list) -> list:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return lines + [""]
+
+
+def _one_line(text) -> str:
+    return " ".join(str(text).split())[:1500]
 
 
 def _x(v) -> str:
@@ -97,17 +102,19 @@ SECTIONS = {"speed": _speed, "dispatch": _dispatch, "planner": _planner}
 def markdown(report: dict) -> str:
     """The whole report as markdown."""
     env = report["environment"]
-    title = env.get("gpu", "CPU (--cpu)") if env["mode"] == "cuda" else "CPU (--cpu)"
+    title = "CPU (--cpu)" if env["mode"] == "cpu" else env.get("gpu", "no GPU found")
     lines = [f"# GPU check: {title}", ""]
     lines += _environment(env)
     if "error" in report:
-        lines += [f"**Not run: {report['error']}.**", ""]
+        lines += [f"**Not run: {_one_line(report['error'])}.**", ""]
     if not env.get("torch_supported", True):
         lines += [f"**PyTorch {env['torch']} is outside the supported 2.11-2.13.**", ""]
     for part, result in report["parts"].items():
         lines += [f"## {part}: {part_line(part, result).split(': ', 1)[1]}", ""]
         if result.get("error"):
-            lines += [f"Error: {result['error']}", ""]
+            lines += [f"Error: {_one_line(result['error'])}", ""]
+        if result.get("note"):
+            lines += [f"Note: {_one_line(result['note'])}", ""]
         lines += _checks(result)
         lines += SECTIONS.get(part, lambda r: [])(result)
     return "\n".join(lines)

@@ -4,8 +4,10 @@
 them; a worker whose parent died is re-parented and keeps the GPU. Here a process that runs
 children first becomes a *child subreaper* (Linux ``prctl``): orphans below it are re-parented
 to it, not to init. After a child ends - by itself or killed at its deadline - every process
-still below this one is killed (its whole tree, collected before the first signal) and reaped.
-Output goes to a file, never a pipe, so a surviving grandchild cannot block the read.
+that appeared below this one since the child started is killed (the whole tree, collected
+before the first signal) and waited for. The child's output goes straight to a log file
+(append mode, never a pipe), so a part that hangs still leaves its output, and a surviving
+grandchild cannot block a read.
 
 Example:
     >>> rc, tail = run([sys.executable, "-c", "print('hi')"], timeout=10)
@@ -39,68 +41,77 @@ def become_subreaper() -> None:
 
 
 def _parents() -> dict[int, int]:
-    """``{pid: parent pid}`` of every process visible in /proc."""
+    """``{pid: parent pid}`` of every process visible in /proc (empty if it cannot be read)."""
     out = {}
-    for entry in Path("/proc").iterdir():
+    try:
+        entries = list(Path("/proc").iterdir())
+    except OSError:
+        return out
+    for entry in entries:
         if not entry.name.isdigit():
             continue
         try:
             stat = (entry / "stat").read_text()
-        except OSError:
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+            out[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
             continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-        out[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
     return out
 
 
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid``, children first."""
     parents = _parents()
-    found, frontier = [], [pid]
+    found, frontier = [], {pid}
     while frontier:
-        frontier = [p for p, parent in parents.items() if parent in frontier]
-        found += frontier
+        frontier = {p for p, parent in parents.items() if parent in frontier}
+        found += sorted(frontier)
     return found
 
 
-def kill_below(pid: int | None = None) -> int:
-    """SIGKILL every process below ``pid`` (default: this process) and reap those that
-    are this process's children; returns how many were killed."""
-    pid = os.getpid() if pid is None else pid
-    victims = descendants(pid)
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
+def kill_below(keep: set[int] = frozenset()) -> int:
+    """SIGKILL every process below this one except ``keep``, wait until they are gone (our
+    own children reaped, orphans re-parented to us included); returns how many."""
+    victims = [p for p in descendants(os.getpid()) if p not in keep]
     for p in victims:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(p, signal.SIGKILL)
-    deadline = time.monotonic() + 5.0
-    for p in victims:  # reap our own children (orphans re-parented to us included)
+    deadline = time.monotonic() + 10.0
+    for p in victims:
         while time.monotonic() < deadline:
-            try:
-                done, _ = os.waitpid(p, os.WNOHANG)
-            except ChildProcessError:
-                break  # not our child, or already reaped
-            if done:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(p, os.WNOHANG)
+            if _gone(p):
                 break
             time.sleep(0.01)
     return len(victims)
 
 
-def run(cmd: list, timeout: float, *, env=None, cwd=None, log=None) -> tuple[int | None, str]:
+def run(cmd: list, timeout: float, *, env=None, cwd=None, log_path=None) -> tuple[int | None, str]:
     """Run ``cmd`` for at most ``timeout`` seconds; ``(exit code, or None when it ran over;
-    the last 3,000 characters of its output)``. Its output is appended to ``log`` (an open
-    text file) when given. Nothing it started survives the call."""
+    the last 3,000 characters of its output)``. Its output is appended to ``log_path`` when
+    given (else to a temporary file). Nothing it started survives the call."""
     become_subreaper()
-    with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    keep = set(descendants(os.getpid()))  # what this process ran before: not ours to kill
+    with open(log_path, "ab+") if log_path else tempfile.TemporaryFile("ab+") as log:
+        start = log.seek(0, os.SEEK_END)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         try:
             rc = proc.wait(timeout=max(timeout, 0.1))
         except subprocess.TimeoutExpired:
             rc = None
-        kill_below()  # the child if it ran over, and whatever it left behind either way
-        with contextlib.suppress(ChildProcessError):
-            proc.wait()
-        out.seek(0)
-        text = out.read()
-    if log is not None:
-        log.write(text)
-        log.flush()
+            proc.kill()  # first the child itself, even if /proc cannot be read
+        kill_below(keep)  # whatever it left behind, either way
+        with contextlib.suppress(ChildProcessError, subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        log.seek(start)
+        text = log.read().decode(errors="replace")
     return rc, text[-3000:]

@@ -34,7 +34,7 @@ def test_cpu_mode_runs_every_part_and_writes_the_report(tmp_path):
     assert list(parts) == list(gpu_check.PARTS)
     for name, part in parts.items():
         assert part["status"] in ("ok", "skipped"), (name, part)
-        assert part["seconds"] <= part["budget_s"]
+        assert part["seconds"] <= part["budget_s"] + gpu_check.grace(part["budget_s"])
     checks = {c["name"]: c for p in parts.values() for c in p["checks"]}
     # what runs on a CPU does run: the 2-D mesh, the reshard both ways, the two seeded runs
     ran = [n for n, c in checks.items() if c["status"] == "ok"]
@@ -59,10 +59,10 @@ def test_cpu_mode_runs_every_part_and_writes_the_report(tmp_path):
 
 
 def test_a_part_over_its_budget_is_reported_and_the_next_part_runs(tmp_path):
-    # the dispatch part hangs (a test hook) and is killed at its 6 s; the planner then runs,
-    # finds no speed results and says so
+    # the dispatch part hangs (a test hook) and is killed at its 10 s + 2 s of grace; the
+    # planner then runs on what is left, finds no speed results and says so
     hang = {gpu_check.HANG_FOR_TESTS: "dispatch"}
-    proc, report, _ = _run(tmp_path, "--budget", "100", "--parts", "dispatch,planner", env=hang)
+    proc, report, _ = _run(tmp_path, "--budget", "25", "--parts", "dispatch,planner", env=hang)
     assert proc.returncode == 1
     assert report["parts"]["dispatch"]["status"] == "timeout"
     assert "ran over its budget" in report["parts"]["dispatch"]["error"]
