@@ -37,9 +37,10 @@ test-torch: $(TORCH_VENV)/.installed
 	$(TORCH_VENV)/bin/python -m pytest -x -q tests
 
 # The GPU check (benchmarks/gpu_check.py): about 8 minutes on one GPU, with the machine's own
-# python3 and PyTorch (no venv, nothing installed); the report goes to $(GPU_REPORT).
-# GPU_ARGS="--cpu" runs it end to end on this machine with tiny sizes; "--budget 240" halves it.
-GPU_PYTHON ?= python3
+# python3 and PyTorch (no venv, nothing installed; here, where .venv exists, its python); the
+# report goes to $(GPU_REPORT). GPU_ARGS="--cpu" runs it end to end on this machine with tiny
+# sizes; "--budget 240" halves it.
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 GPU_REPORT ?= gpu-report
 gpu-check:
 	$(GPU_PYTHON) benchmarks/gpu_check.py --out $(GPU_REPORT) $(GPU_ARGS)
