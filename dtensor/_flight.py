@@ -54,6 +54,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from device_mesh.switches import env_switch
+
 logger = logging.getLogger("dtensor.flight")
 
 EXIT_CODE = 75  # sysexits' EX_TEMPFAIL: the job should be restarted (elastically)
@@ -95,7 +97,7 @@ def _env_entries() -> int:
 
 
 class _Config:
-    enabled = os.environ.get(ENV_RECORDER, "1").strip().lower() not in ("0", "off", "false", "no")
+    enabled = env_switch(ENV_RECORDER, default=True)
     timeout: float | None = _env_float(ENV_TIMEOUT, None)  # None: the default group's
     entries = _env_entries()
 

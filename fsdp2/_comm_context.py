@@ -16,11 +16,11 @@ The root creates it at lazy init and hands it to every parameter group below it.
 from __future__ import annotations
 
 import logging
-import os
 from collections import deque
 
 import torch
 
+from device_mesh.switches import env_switch
 from fsdp2._collectives import BufferPool
 from fsdp2._host_memory import PageBank
 from fsdp2._storage import UnshardedStorage, make_storage
@@ -55,9 +55,10 @@ class CommContext:
         self.max_pending = MAX_PENDING_REDUCES.get(device.type, DEFAULT_MAX_PENDING_REDUCES)
         # [Note: free by resize] check mode: no mappings, so reads of freed params raise.
         # fully_shard(check_freed=True) on the root turns it on; the environment variable
-        # FSDP2_CHECK_FREED=1 (or =0) overrides the argument, for a run that cannot be edited.
-        override = os.environ.get("FSDP2_CHECK_FREED", "")
-        self.check_freed = override not in ("", "0") if override else check_freed
+        # FSDP2_CHECK_FREED (1/true/yes/on or 0/false/no/off) overrides the argument, for a
+        # run that cannot be edited.
+        override = env_switch("FSDP2_CHECK_FREED", default=None)
+        self.check_freed = check_freed if override is None else override
         self.post_optim_event = None
         if self.check_freed:
             logger.info("fsdp2 check mode: reads of freed unsharded parameters raise")

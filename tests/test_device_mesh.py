@@ -314,3 +314,21 @@ def _check_meshes_over_part_of_the_world():
 
 def test_meshes_over_part_of_the_world():
     run_on_ranks(4, _check_meshes_over_part_of_the_world)
+
+
+def test_env_switches_read_every_spelling_and_refuse_a_typo(monkeypatch):
+    """One reading for every on/off variable of the library (FSDP2_CHECK_FREED read
+    "false" as on before)."""
+    from device_mesh.switches import env_switch
+
+    name = "DEVICE_MESH_TEST_SWITCH"
+    monkeypatch.delenv(name, raising=False)
+    assert env_switch(name) is False and env_switch(name, default=None) is None
+    for value, expected in (("1", True), ("TRUE", True), (" yes ", True), ("on", True),
+                            ("0", False), ("False", False), ("no", False), ("OFF", False),
+                            ("", True)):  # fmt: skip
+        monkeypatch.setenv(name, value)
+        assert env_switch(name, default=True) is expected, value
+    monkeypatch.setenv(name, "flase")
+    with pytest.raises(ValueError, match=r"DEVICE_MESH_TEST_SWITCH='flase': expected on \(1,"):
+        env_switch(name)

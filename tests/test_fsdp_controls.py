@@ -385,10 +385,15 @@ def _stale_read_in_check_mode(mapped: bool, how: str):
             model = _build(_cfg(), fully_shard)
         else:
             model = _build(_cfg(), fully_shard, check_freed=True)
-            os.environ["FSDP2_CHECK_FREED"] = "0"  # the override wins over the argument ...
-            off = _build(_cfg(), fully_shard, check_freed=True)
-            off(torch.zeros(1, 2, dtype=torch.long))
-            assert not off._fsdp.ctx.comm.check_freed
+            for word in ("0", "false", " Off "):  # the override wins over the argument ...
+                os.environ["FSDP2_CHECK_FREED"] = word  # (was: any value but "0" meant on)
+                off = _build(_cfg(), fully_shard, check_freed=True)
+                off(torch.zeros(1, 2, dtype=torch.long))
+                assert not off._fsdp.ctx.comm.check_freed, word
+            os.environ["FSDP2_CHECK_FREED"] = "flase"  # a typo picks no side: it raises
+            typo = _build(_cfg(), fully_shard, check_freed=True)
+            with pytest.raises(ValueError, match="FSDP2_CHECK_FREED='flase': expected on"):
+                typo(torch.zeros(1, 2, dtype=torch.long))
             del os.environ["FSDP2_CHECK_FREED"]  # ... and without it the argument decides
         with pytest.raises(TypeError, match="check_freed must be a bool"):
             fully_shard(nn.Linear(2, 2), check_freed="yes")

@@ -30,13 +30,13 @@ it.
 from __future__ import annotations
 
 import functools
-import os
 import types
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from device_mesh.switches import env_switch
 from dtensor import debug
 from dtensor._api import distribute_tensor
 from dtensor._collectives import _dim_label as mesh_dim_label
@@ -231,7 +231,7 @@ def _global_shape(x: torch.Tensor, mesh, layout, uneven: bool, last: int | None)
     shape = list(x.shape)
     if last is not None and dim == x.ndim - 1:
         shape[dim] = last
-    elif uneven or os.environ.get("DTENSOR_CHECK_SHARDS") == "1":
+    elif uneven or env_switch("DTENSOR_CHECK_SHARDS"):
         shape[dim] = _exchanged_size(x, dim, mesh, even=not uneven)
     else:
         shape[dim] = x.shape[dim] * mesh.size()
