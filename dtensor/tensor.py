@@ -394,16 +394,33 @@ def cast_dtensor(dt: DTensor, dtype: torch.dtype) -> DTensor:
 
 
 def _check_local(local: torch.Tensor, spec: DTensorSpec, api: str) -> torch.Tensor:
-    """Check every rank's local shape against ``spec``; broadcast replicas from the first rank."""
+    """Check every rank's local shape against ``spec``; broadcast replicas from the first rank.
+
+    Over the mesh's own groups only (a mesh may cover part of the world), with tensors, not
+    pickled objects: each rank's record (its rank, its local shape, the shape ``spec`` gives
+    it) is all-gathered along mesh dim 0, the gathered records along dim 1, and so on, so
+    that every rank of the mesh ends with every record and all raise alike.
+    """
     import torch.distributed as dist
 
     mesh = spec.mesh
     expected, _ = spec.local_shape_and_offset()
-    shapes: list = [None] * dist.get_world_size()
-    debug.note_collective("all_gather_object", None, 0)
+    n = len(expected)
+    got = (list(local.shape) + [-1] * n)[:n]  # padded: a rank may have another ndim
+    row = [dist.get_rank(), local.ndim, *got, *expected]
+    records = torch.tensor([row], dtype=torch.int64, device=local.device)
     with debug.annotate_failures():
-        dist.all_gather_object(shapes, (dist.get_rank(), tuple(local.shape), expected))
-    bad = [f"rank {r}: local {got}, expected {want}" for r, got, want in shapes if got != want]
+        for mesh_dim in range(mesh.ndim):
+            k = mesh.size(mesh_dim)
+            if k > 1:
+                records = C.all_gather(records, mesh, mesh_dim, 0, k * records.size(0)).wait()
+    bad = []
+    for rank, ndim, *shapes in sorted(records.tolist()):
+        mine, want = tuple(shapes[:n]), tuple(shapes[n:])
+        if ndim != n:
+            bad.append(f"rank {rank}: local of {ndim} dims, expected {want}")
+        elif mine != want:
+            bad.append(f"rank {rank}: local {mine}, expected {want}")
     if bad:
         raise ValueError(
             f"{api}: local shapes do not fit shape={tuple(spec.shape)} with placements "

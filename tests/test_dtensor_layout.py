@@ -130,6 +130,29 @@ def test_uneven_from_local_run_check_and_async():
     run_on_ranks(3, _check_uneven_from_local_and_async)
 
 
+def _check_run_check_on_part_of_the_world():
+    """``from_local(run_check=True)`` checks over the mesh's own groups: on a mesh of ranks 0
+    and 1 it returns while ranks 2 and 3 do something else (it all-gathered pickled shapes
+    over the whole world, and hung); on a 2-D mesh every rank names the one that is off."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    rank = dist.get_rank()
+    if rank < 2:  # mesh["b"] of ranks 0 and 1; ranks 2 and 3 take no part
+        sub = mesh["b"]
+        dt = DTensor.from_local(torch.full((2, 3), float(rank)), sub, [Shard(0)], run_check=True)
+        assert dt.shape == (4, 3) and torch.equal(dt.to_local(), torch.full((2, 3), float(rank)))
+    dist.barrier()
+    local = torch.zeros(2, 4 if rank == 3 else 3)  # rank 3's piece is off
+    with pytest.raises(ValueError, match=r"rank 3: local \(2, 4\), expected \(2, 3\)"):
+        DTensor.from_local(local, mesh, [Shard(0), Shard(1)], shape=(4, 6), run_check=True)
+    mine = torch.zeros(12) if rank == 1 else torch.zeros(2, 6)  # rank 1's has one dim
+    with pytest.raises(ValueError, match=r"rank 1: local of 1 dims, expected \(2, 6\)"):
+        DTensor.from_local(mine, mesh, [Shard(0), Replicate()], shape=(4, 6), run_check=True)
+
+
+def test_from_local_run_check_stays_on_its_mesh():
+    run_on_ranks(4, _check_run_check_on_part_of_the_world)
+
+
 def _check_src_data_rank():
     mesh = init_device_mesh("cpu", (2, 2))
     mine = torch.full((5, 3), float(dist.get_rank()))
