@@ -40,9 +40,9 @@ differ legitimately: one rank compiled, another fell back to eager).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import pickle
 import socket
 import sys
 import threading
@@ -239,6 +239,32 @@ def _snapshot() -> dict:
     return {"pid": os.getpid(), "host": socket.gethostname(), "groups": groups, "t": time.time()}
 
 
+def encode_state(state: dict) -> bytes:
+    """A published state as JSON bytes: data a peer reads, never code (no pickle).
+
+    Example:
+        >>> decode_state(encode_state(_snapshot())) == _snapshot()   # at rest
+    """
+    return json.dumps(state, separators=(",", ":")).encode()
+
+
+def decode_state(raw: bytes) -> dict:
+    """``encode_state``'s bytes back as the state, its tuples tuples again.
+
+    Raises:
+        ValueError: bytes that are not a published state.
+    """
+    try:
+        state = json.loads(raw)
+        state["groups"] = {
+            name: (tuple(ranks), seq, crc, untracked, [tuple(e) for e in entries])
+            for name, (ranks, seq, crc, untracked, entries) in state["groups"].items()
+        }
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"a peer's published flight-recorder state is not readable: {e}") from None
+    return state
+
+
 def _crc_at(state_groups: dict, name: str, seq: int):
     """The running CRC after entry ``seq`` of group ``name`` in a published state, or None."""
     item = state_groups.get(name)
@@ -429,7 +455,7 @@ class _Watchdog(threading.Thread):
         self.poll = min(1.0, max(0.05, timeout / 8))
         self.published = -1
         self.last_read: dict[int, dict] = {}  # peers' states as last read (the store may die)
-        self._unpickled: dict[int, tuple] = {}  # rank -> (bytes, state): one store, one pair
+        self._decoded: dict[int, tuple] = {}  # rank -> (bytes, state): one store, one pair
         self.since: dict[tuple, float] = {}  # (group, my seq, peer, its seq) -> first seen
         self._halt = threading.Event()
         self.publish()  # at once: peers can name this process (pid, host) even if it dies soon
@@ -457,7 +483,7 @@ class _Watchdog(threading.Thread):
     def publish(self) -> None:
         v = _version
         if v != self.published:
-            self.store.set(f"state/{self.rank}", pickle.dumps(_snapshot()))
+            self.store.set(f"state/{self.rank}", encode_state(_snapshot()))
             self.published = v
 
     def step(self) -> None:
@@ -498,12 +524,18 @@ class _Watchdog(threading.Thread):
         if not self.store.check([key]):
             return None
         raw = self.store.get(key)
-        known = self._unpickled.get(rank)
+        known = self._decoded.get(rank)
         if known is not None and known[0] == raw:  # unchanged (a rank at rest): the same
             state = known[1]  # objects, not a new copy every poll
         else:
-            state = pickle.loads(raw)
-            self._unpickled[rank] = (raw, state)  # the watchdog and a failure report both read
+            try:
+                state = decode_state(raw)
+            except ValueError as e:  # read as not published; said once per value
+                if self._decoded.get(rank, (None,))[0] != raw:
+                    logger.warning("flight recorder: rank %d: %s", rank, e)
+                self._decoded[rank] = (raw, None)
+                return None
+            self._decoded[rank] = (raw, state)  # the watchdog and a failure report both read
         self.last_read[rank] = state
         return state
 

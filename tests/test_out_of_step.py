@@ -266,25 +266,45 @@ class _DictStore:
 
 
 def test_an_unchanged_peer_state_is_read_once():
-    # a rank at rest publishes the same bytes poll after poll: unpickling them each time made
+    # a rank at rest publishes the same bytes poll after poll: decoding them each time made
     # new tuples of plain values, which the collector tracks until its next collection (the
     # soak counted them as ~100 objects that came and went)
-    import pickle
     from types import SimpleNamespace
 
     from dtensor import _flight
 
     store = _DictStore()
-    watchdog = SimpleNamespace(store=store, last_read={}, _unpickled={})
+    watchdog = SimpleNamespace(store=store, last_read={}, _decoded={})
     step = [("all_gather", "fsdp a"), ("reduce_scatter", "fsdp a")]
     assert _flight._Watchdog.read(watchdog, 1) is None  # nothing published yet
-    store.data["state/1"] = pickle.dumps(_state(step[:1]))
+    store.data["state/1"] = _flight.encode_state(_state(step[:1]))
     first = _flight._Watchdog.read(watchdog, 1)
     assert _flight._Watchdog.read(watchdog, 1) is first  # the same objects, not a new copy
-    store.data["state/1"] = pickle.dumps(_state(step))
+    store.data["state/1"] = _flight.encode_state(_state(step))
     second = _flight._Watchdog.read(watchdog, 1)
-    assert second is not first and second == _state(step)
+    assert second is not first and second == _state(step)  # tuples again, as published
     assert watchdog.last_read[1] is second
+
+
+def test_a_peer_state_is_data_never_code():
+    """What a peer published is JSON: bytes that would run code when unpickled are refused
+    as unreadable, not executed (issue 39: peer state read from the store is data)."""
+    import pickle
+
+    from dtensor import _flight
+
+    assert "import pickle" not in Path(_flight.__file__).read_text()
+    with pytest.raises(ValueError, match="state is not readable"):
+        _flight.decode_state(pickle.dumps(_state([("all_gather", "x")])))
+    with pytest.raises(ValueError, match="state is not readable"):
+        _flight.decode_state(b'{"groups": {"7": [1, 2]}}')
+    # the watchdog reads such a peer as not published (it goes on watching the others)
+    from types import SimpleNamespace
+
+    store = _DictStore()
+    store.data["state/1"] = pickle.dumps(_state([("all_gather", "x")]))
+    watchdog = SimpleNamespace(store=store, last_read={}, _decoded={})
+    assert _flight._Watchdog.read(watchdog, 1) is None
 
 
 def test_bad_settings_are_clear_errors():
