@@ -6,8 +6,7 @@ default; anything else is an error that names the variable, its value and what i
 (a typo must not silently pick a side).
 
 Example:
-    >>> os.environ["FSDP2_CHECK_FREED"] = "false"
-    >>> env_switch("FSDP2_CHECK_FREED")
+    >>> env_switch("FSDP2_CHECK_FREED")     # run as FSDP2_CHECK_FREED=false python train.py
     False
     >>> env_switch("UNSET_VARIABLE", default=None) is None
     True
