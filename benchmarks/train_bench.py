@@ -105,16 +105,12 @@ def build(arm: str, cfg, device: str = "cpu", bf16: bool = False, compile: bool 
 
 
 def peak_flops(device: str) -> float | None:
-    """Dense bf16 peak of the GPU, for MFU (None when unknown)."""
-    import torch
-
+    """Dense bf16 peak of the GPU, for MFU (None when unknown): the GPU check's table."""
     if device != "cuda":
         return None
-    name = torch.cuda.get_device_name()
-    for key, flops in (("H100", 989e12), ("H200", 989e12), ("A100", 312e12)):
-        if key in name:
-            return flops
-    return None
+    from benchmarks._gpu_speed import peak_flops as gpu_peak_flops
+
+    return gpu_peak_flops()[0]
 
 
 def local_bytes(model, opt) -> int:
