@@ -61,50 +61,79 @@ def plan_redistribute(src, dst) -> list[Step]:
         >>> [s.kind for s in plan_redistribute((Shard(0),), (Replicate(),))]
         ['all_gather']
     """
-    cur = list(src)
-    steps: list[Step] = []
+    plan = _Plan(src, dst)
+    tensor_dims = sorted({p.dim for p in (*src, *dst) if isinstance(p, Shard)})
+    plan.move_shards_all_to_all(src)
+    plan.gather_beyond_common_prefix(tensor_dims)
+    plan.reduce_partials()
+    plan.add_target_shards(tensor_dims)
+    plan.add_partials()
+    return plan.steps
 
-    def move(kind, i, new):
-        steps.append(Step(kind, i, cur[i], new))
-        cur[i] = new
 
-    tensor_dims = {p.dim for p in (*src, *dst) if isinstance(p, Shard)}
-    # 1. one all-to-all where a mesh dim alone moves its shard to another tensor dim
-    for i, (s, d) in enumerate(zip(src, dst)):
-        if isinstance(s, Shard) and isinstance(d, Shard) and s.dim != d.dim:
-            if (
-                _shard_seq(cur, s.dim) == [i]
-                and _shard_seq(dst, d.dim) == [i]
-                and not _shard_seq(cur, d.dim)
-                and not _shard_seq(dst, s.dim)
-            ):
-                move("all_to_all", i, d)
-    # 2. gather shards beyond the common prefix, innermost first
-    for tdim in sorted(tensor_dims):
-        have, want = _shard_seq(cur, tdim), _shard_seq(dst, tdim)
-        keep = 0
-        while keep < min(len(have), len(want)) and have[keep] == want[keep]:
-            keep += 1
-        for i in reversed(have[keep:]):
-            move("all_gather", i, Replicate())
-    # 3. partials that cannot stay
-    for i, (c, d) in enumerate(zip(cur, dst)):
-        if isinstance(c, Partial) and c != d:
-            if isinstance(d, Shard) and _can_append_shard(cur, dst, i, d.dim):
-                continue  # becomes a reduce-scatter in step 4
-            move("all_reduce", i, Replicate())
-    # 4. add target shards outermost first
-    for tdim in sorted(tensor_dims):
-        for i in _shard_seq(dst, tdim):
-            if cur[i] != dst[i]:
-                move("reduce_scatter" if isinstance(cur[i], Partial) else "slice", i, dst[i])
-    # 5. replicate -> partial
-    for i, (c, d) in enumerate(zip(cur, dst)):
-        if c != d:
-            if not (isinstance(c, Replicate) and isinstance(d, Partial)):
-                raise AssertionError(f"redistribute planner: cannot move {c} to {d}")
-            move("to_partial", i, d)
-    return steps
+class _Plan:
+    """A plan being built: the placements reached so far (``cur``), the steps that reach
+    them, and the target ``dst``. The methods are the module docstring's steps, in order."""
+
+    def __init__(self, src, dst) -> None:
+        self.cur = list(src)
+        self.dst = dst
+        self.steps: list[Step] = []
+
+    def move(self, kind: str, i: int, new) -> None:
+        self.steps.append(Step(kind, i, self.cur[i], new))
+        self.cur[i] = new
+
+    def move_shards_all_to_all(self, src) -> None:
+        """1. One all-to-all where a mesh dim alone moves its shard to another tensor dim."""
+        cur, dst = self.cur, self.dst
+        for i, (s, d) in enumerate(zip(src, dst)):
+            if isinstance(s, Shard) and isinstance(d, Shard) and s.dim != d.dim:
+                if (
+                    _shard_seq(cur, s.dim) == [i]
+                    and _shard_seq(dst, d.dim) == [i]
+                    and not _shard_seq(cur, d.dim)
+                    and not _shard_seq(dst, s.dim)
+                ):
+                    self.move("all_to_all", i, d)
+
+    def gather_beyond_common_prefix(self, tensor_dims) -> None:
+        """2. Gather the shards beyond the common prefix, innermost first."""
+        for tdim in tensor_dims:
+            have, want = _shard_seq(self.cur, tdim), _shard_seq(self.dst, tdim)
+            keep = 0
+            while keep < min(len(have), len(want)) and have[keep] == want[keep]:
+                keep += 1
+            for i in reversed(have[keep:]):
+                self.move("all_gather", i, Replicate())
+
+    def reduce_partials(self) -> None:
+        """3. All-reduce the partials that cannot stay (but those a reduce-scatter can
+        turn into the target's next shard)."""
+        cur, dst = self.cur, self.dst
+        for i, (c, d) in enumerate(zip(cur, dst)):
+            if isinstance(c, Partial) and c != d:
+                if isinstance(d, Shard) and _can_append_shard(cur, dst, i, d.dim):
+                    continue  # becomes a reduce-scatter in step 4
+                self.move("all_reduce", i, Replicate())
+
+    def add_target_shards(self, tensor_dims) -> None:
+        """4. Add the target's shards outermost first (a slice, or a reduce-scatter)."""
+        cur, dst = self.cur, self.dst
+        for tdim in tensor_dims:
+            for i in _shard_seq(dst, tdim):
+                if cur[i] != dst[i]:
+                    self.move(
+                        "reduce_scatter" if isinstance(cur[i], Partial) else "slice", i, dst[i]
+                    )
+
+    def add_partials(self) -> None:
+        """5. ``Replicate -> Partial``; any other difference left is a planner bug."""
+        for i, (c, d) in enumerate(zip(self.cur, self.dst)):
+            if c != d:
+                if not (isinstance(c, Replicate) and isinstance(d, Partial)):
+                    raise AssertionError(f"redistribute planner: cannot move {c} to {d}")
+                self.move("to_partial", i, d)
 
 
 def _can_append_shard(cur, dst, mesh_dim: int, tensor_dim: int) -> bool:

@@ -101,51 +101,62 @@ def _keeps_partial(name: str, operands: list, partial_mesh_dim: int, partial) ->
 def _decide(name: str, operands: list, out_shape, *, inplace: bool):
     """Output placements and per-spec input placements for one pointwise application."""
     specs = [o for o in operands if isinstance(o, DTensorSpec)]
-    mesh_ndim = specs[0].mesh.ndim
-    out_ndim = len(out_shape)
     out = []
-    for i in range(mesh_ndim):
-        ps = [s.placements[i] for s in specs]
+    for i in range(specs[0].mesh.ndim):
         if inplace:
-            p_out = ps[0]
-            if isinstance(p_out, Partial) and not _keeps_partial(name, operands, i, p_out):
-                raise NotImplementedError(
-                    f"{name}: in-place op on a Partial DTensor (mesh dim {i}) would need a "
-                    "reduction first; reduce it with redistribute(placements=[Replicate()]) "
-                    "or use the out-of-place op."
-                )
-            if isinstance(p_out, Shard) and len(specs[0].shape) != out_ndim:
-                p_out = with_dim(p_out, p_out.dim + out_ndim - len(specs[0].shape))
+            p_out = _inplace_output(name, operands, specs[0], i, len(out_shape))
         else:
-            p_out = None
-            partials = [p for p in ps if isinstance(p, Partial)]
-            if partials and _keeps_partial(name, operands, i, partials[0]):
-                p_out = partials[0]
-            if p_out is None:
-                for s, p in zip(specs, ps):
-                    if isinstance(p, Shard):
-                        od = p.dim + out_ndim - s.ndim
-                        if s.shape[p.dim] == out_shape[od]:
-                            p_out = with_dim(p, od)
-                            break
-            if p_out is None:
-                p_out = Replicate()
+            p_out = _out_of_place_output(name, operands, specs, i, out_shape)
         if name.rstrip("_") in _LIKE and isinstance(p_out, Partial):
             p_out = Replicate()  # a fresh tensor: its value is not a partial of anything
         out.append(p_out)
-    needs = []
-    for s in specs:
-        need = []
-        for i, p_out in enumerate(out):
-            if isinstance(p_out, Partial):
-                need.append(s.placements[i] if s.placements[i] == p_out else Replicate())
-            elif name.rstrip("_") in _LIKE:
-                p = s.placements[i]
-                need.append(Replicate() if isinstance(p, Partial) else p)
-            else:
-                need.append(map_to(p_out, out_ndim, tuple(s.shape), tuple(out_shape)))
-        needs.append(tuple(need))
+    needs = [
+        tuple(_input_need(name, s, i, p_out, out_shape) for i, p_out in enumerate(out))
+        for s in specs
+    ]
     return tuple(out), needs
+
+
+def _inplace_output(name: str, operands: list, target: DTensorSpec, i: int, out_ndim: int):
+    """Mesh dim ``i``'s output placement of an in-place op: the target's own (a shard dim
+    moved when the target has fewer dims than the output)."""
+    p_out = target.placements[i]
+    if isinstance(p_out, Partial) and not _keeps_partial(name, operands, i, p_out):
+        raise NotImplementedError(
+            f"{name}: in-place op on a Partial DTensor (mesh dim {i}) would need a "
+            "reduction first; reduce it with redistribute(placements=[Replicate()]) "
+            "or use the out-of-place op."
+        )
+    if isinstance(p_out, Shard) and len(target.shape) != out_ndim:
+        p_out = with_dim(p_out, p_out.dim + out_ndim - len(target.shape))
+    return p_out
+
+
+def _out_of_place_output(name: str, operands: list, specs: list, i: int, out_shape):
+    """Mesh dim ``i``'s output placement of an out-of-place op: the first partial when the
+    op is linear in it, else the first input's shard on a dim that is not broadcast, else
+    ``Replicate``."""
+    ps = [s.placements[i] for s in specs]
+    partials = [p for p in ps if isinstance(p, Partial)]
+    if partials and _keeps_partial(name, operands, i, partials[0]):
+        return partials[0]
+    out_ndim = len(out_shape)
+    for s, p in zip(specs, ps):
+        if isinstance(p, Shard):
+            od = p.dim + out_ndim - s.ndim
+            if s.shape[p.dim] == out_shape[od]:
+                return with_dim(p, od)
+    return Replicate()
+
+
+def _input_need(name: str, s: DTensorSpec, i: int, p_out, out_shape):
+    """The placement input ``s`` needs on mesh dim ``i`` to produce ``p_out``."""
+    if isinstance(p_out, Partial):
+        return s.placements[i] if s.placements[i] == p_out else Replicate()
+    if name.rstrip("_") in _LIKE:
+        p = s.placements[i]
+        return Replicate() if isinstance(p, Partial) else p
+    return map_to(p_out, len(out_shape), tuple(s.shape), tuple(out_shape))
 
 
 def _operands(schema: OpSchema) -> list:

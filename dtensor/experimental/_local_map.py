@@ -78,15 +78,8 @@ def local_map(
         )
     if not callable(func):
         raise TypeError(f"{_API}: func must be callable, got {func!r}.")
-    return functools.partial(
-        _run_local,
-        func,
-        out_placements,
-        in_placements,
-        in_grad_placements,
-        device_mesh,
-        redistribute_inputs,
-    )
+    placements = (out_placements, in_placements, in_grad_placements)
+    return functools.partial(_run_local, func, *placements, device_mesh, redistribute_inputs)
 
 
 def _run_local(

@@ -95,6 +95,88 @@ def _moments(phases: dict) -> dict:
     return out
 
 
+def _rank(args, profile, hw, budget):
+    """``(fits, too_big)`` of ``rank_configs`` over the layouts the options allow."""
+    dtype = _DTYPES[args.dtype]
+    base = PlanConfig(
+        world_size=args.world_size,
+        param_dtype=dtype,
+        reduce_dtype=torch.float32 if dtype is not None else None,
+        optimizer=args.optimizer,
+        offload=args.offload,
+    )
+    tps = (args.tp,) if args.tp else (1, 2, 4, 8)
+    return rank_configs(
+        profile,
+        args.world_size,
+        budget,
+        hardware=hw,
+        global_batch=args.global_batch,
+        tp_degrees=tps,
+        replicate_degrees=[args.replicate] if args.replicate else None,
+        activation_checkpointing=(True,) if args.ac else (False, True),
+        base=base,
+    )
+
+
+def _print_header(console, label: str, args, hw, budget) -> None:
+    """The model, the training options and the hardware assumed."""
+    console.print(f"[bold]{label}[/bold]; seq {args.seq_len}, {args.dtype}, {args.optimizer}")
+    console.print(
+        f"{args.world_size} ranks, budget {_gib(budget) if budget else '-'} GiB a rank; "
+        f"{hw.name}, {hw.flops / 1e12:.0f} TFLOP/s at {hw.efficiency:.0%} MFU, "
+        f"{hw.devices_per_node} devices a node"
+    )
+
+
+def _layouts_table(fits, too_big, top: int) -> Table:
+    """The first ``top`` layouts that fit, one row each with its peak by category group."""
+    table = Table(
+        title=f"layouts that fit ({len(fits)} of {len(fits) + len(too_big)}), fastest first"
+    )
+    for col in ("#", "layout", "batch", "peak GiB", "state", "unsharded", "activations",
+                "comm buf", "step s", "comm s"):  # fmt: skip
+        table.add_column(col, justify="left" if col == "layout" else "right", no_wrap=True)
+    for i, e in enumerate(fits[:top]):
+        c = e.categories
+        table.add_row(
+            str(i + 1),
+            e.config.describe(),
+            str(e.config.batch_size),
+            _gib(e.peak_bytes),
+            _gib(c["sharded_params"] + c["sharded_grads"] + c["optimizer_state"]),
+            _gib(c["unsharded_params"] + c["unsharded_grads"]),
+            _gib(c["activations"] + c["temporaries"]),
+            _gib(c["comm_buffers"]),
+            f"{e.step_s:.3f}",
+            f"{e.comm_s:.3f}",
+        )
+    return table
+
+
+def _breakdown_table(best) -> Table:
+    """The best layout's memory by category at each moment shown."""
+    detail = Table(title=f"best: {best.config.describe()} (peak at {best.peak_phase})")
+    detail.add_column("category")
+    shown = _moments(best.phases)
+    for label in shown:
+        detail.add_column(label, justify="right")
+    for c in CATEGORIES:
+        detail.add_row(c, *(_gib(m[c]) for m in shown.values()))
+    detail.add_row("total", *(_gib(sum(m.values())) for m in shown.values()))
+    return detail
+
+
+def _collectives_table(best) -> Table:
+    """The best layout's collectives of one step: count and bytes by kind and mesh dim."""
+    comm = Table(title="collectives of one step (FSDP; per rank)")
+    for col in ("kind", "mesh dim", "count", "GB contributed"):
+        comm.add_column(col)
+    for (kind, dim), (count, nbytes) in best.collectives.items():
+        comm.add_row(kind, str(dim), str(count), f"{nbytes / 1e9:.2f}")
+    return comm
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     console = Console(width=max(Console().width, 120))
@@ -109,56 +191,12 @@ def main(argv=None) -> int:
     hw = hardware_of(args)
     budget = budget if budget is not None else hw.memory
     profile = profile_model(model, seq_len=args.seq_len, tp_plan=tp_plan)
-    dtype = _DTYPES[args.dtype]
-    base = PlanConfig(
-        world_size=args.world_size,
-        param_dtype=dtype,
-        reduce_dtype=torch.float32 if dtype is not None else None,
-        optimizer=args.optimizer,
-        offload=args.offload,
-    )
-    tps = (args.tp,) if args.tp else (1, 2, 4, 8)
-    fits, too_big = rank_configs(
-        profile,
-        args.world_size,
-        budget,
-        hardware=hw,
-        global_batch=args.global_batch,
-        tp_degrees=tps,
-        replicate_degrees=[args.replicate] if args.replicate else None,
-        activation_checkpointing=(True,) if args.ac else (False, True),
-        base=base,
-    )
-    console.print(f"[bold]{label}[/bold]; seq {args.seq_len}, {args.dtype}, {args.optimizer}")
-    console.print(
-        f"{args.world_size} ranks, budget {_gib(budget) if budget else '-'} GiB a rank; "
-        f"{hw.name}, {hw.flops / 1e12:.0f} TFLOP/s at {hw.efficiency:.0%} MFU, "
-        f"{hw.devices_per_node} devices a node"
-    )
+    fits, too_big = _rank(args, profile, hw, budget)
+    _print_header(console, label, args, hw, budget)
     if not fits and not too_big:
         console.print("[red]no layout: the global batch divides by no data-parallel size[/red]")
         return 1
-    table = Table(
-        title=f"layouts that fit ({len(fits)} of {len(fits) + len(too_big)}), fastest first"
-    )
-    for col in ("#", "layout", "batch", "peak GiB", "state", "unsharded", "activations",
-                "comm buf", "step s", "comm s"):  # fmt: skip
-        table.add_column(col, justify="left" if col == "layout" else "right", no_wrap=True)
-    for i, e in enumerate(fits[: args.top]):
-        c = e.categories
-        table.add_row(
-            str(i + 1),
-            e.config.describe(),
-            str(e.config.batch_size),
-            _gib(e.peak_bytes),
-            _gib(c["sharded_params"] + c["sharded_grads"] + c["optimizer_state"]),
-            _gib(c["unsharded_params"] + c["unsharded_grads"]),
-            _gib(c["activations"] + c["temporaries"]),
-            _gib(c["comm_buffers"]),
-            f"{e.step_s:.3f}",
-            f"{e.comm_s:.3f}",
-        )
-    console.print(table)
+    console.print(_layouts_table(fits, too_big, args.top))
     if not fits:
         best = too_big[0]
         console.print(
@@ -166,22 +204,8 @@ def main(argv=None) -> int:
             f"({best.config.describe()}); add ranks, activation checkpointing or offload."
         )
         return 1
-    best = fits[0]
-    detail = Table(title=f"best: {best.config.describe()} (peak at {best.peak_phase})")
-    detail.add_column("category")
-    shown = _moments(best.phases)
-    for label in shown:
-        detail.add_column(label, justify="right")
-    for c in CATEGORIES:
-        detail.add_row(c, *(_gib(m[c]) for m in shown.values()))
-    detail.add_row("total", *(_gib(sum(m.values())) for m in shown.values()))
-    console.print(detail)
-    comm = Table(title="collectives of one step (FSDP; per rank)")
-    for col in ("kind", "mesh dim", "count", "GB contributed"):
-        comm.add_column(col)
-    for (kind, dim), (count, nbytes) in best.collectives.items():
-        comm.add_row(kind, str(dim), str(count), f"{nbytes / 1e9:.2f}")
-    console.print(comm)
+    console.print(_breakdown_table(fits[0]))
+    console.print(_collectives_table(fits[0]))
     return 0
 
 

@@ -275,47 +275,58 @@ def groups_of(model: torch.nn.Module) -> list[GroupSpec]:
             "fsdp2.parallelize_transformer) on it first, or describe the groups with GroupSpec."
         )
     paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
-    out = []
-    for s in states:
-        g = s.group
-        if g is None:
-            continue
-        root = s.is_root if s.ctx is not None else s.outer is None
-        rab: bool | int = g.reshard_after_forward
-        if rab is None:  # before the root's lazy init resolves it
-            arg = s.reshard_after_forward_arg
-            rab = (not root) if arg is None else bool(arg)
-        if rab and g.post_forward is not None:  # an int k (kept rows, smaller regather)
-            rab = g.post_forward.size
-        info = g.mesh_info
-        mesh = info.mesh
-        names = mesh.mesh_dim_names
+    return [
+        _group_spec(s, paths.get(id(s.modules[0]), type(s.modules[0]).__name__))
+        for s in states
+        if s.group is not None
+    ]
 
-        def label(dim, names=names):
-            return names[dim] if names else dim
 
-        out.append(
-            GroupSpec(
-                params=[
-                    ParamSpec(tuple(p.shape), p.dtype, p.requires_grad, p.shard_dim, *_tp_dim(p))
-                    for p in g.params
-                ],
-                shard_size=info.shard_size,
-                mesh_dim=label(info.shard_mesh_dim),
-                replicate_size=info.replicate_size,
-                replicate_mesh_dim=(
-                    None if info.replicate_mesh_dim is None else label(info.replicate_mesh_dim)
-                ),
-                reshard_after_forward=rab,
-                param_dtype=g.mp_policy.param_dtype,
-                reduce_dtype=g.mp_policy.reduce_dtype,
-                name=paths.get(id(s.modules[0]), type(s.modules[0]).__name__),
-                device_type=g.device.type,
-                backend=_backend_of(mesh),
-                offload=g.offload,
-            )
-        )
-    return out
+def _resolved_reshard_after_forward(s) -> bool | int:
+    """State ``s``'s ``reshard_after_forward`` as its root's lazy init resolves it: None is
+    False for the root and True for the others; a group that reshards after forward to
+    groups of ``k`` ranks (its ``post_forward``) gives the int ``k``."""
+    g = s.group
+    root = s.is_root if s.ctx is not None else s.outer is None
+    rab: bool | int = g.reshard_after_forward
+    if rab is None:  # before the root's lazy init resolves it
+        arg = s.reshard_after_forward_arg
+        rab = (not root) if arg is None else bool(arg)
+    if rab and g.post_forward is not None:  # an int k (kept rows, smaller regather)
+        rab = g.post_forward.size
+    return rab
+
+
+def _group_spec(s, name: str) -> GroupSpec:
+    """The ``GroupSpec`` of state ``s``'s ``fully_shard`` group, called ``name``."""
+    g = s.group
+    rab = _resolved_reshard_after_forward(s)
+    info = g.mesh_info
+    mesh = info.mesh
+    names = mesh.mesh_dim_names
+
+    def label(dim):
+        return names[dim] if names else dim
+
+    return GroupSpec(
+        params=[
+            ParamSpec(tuple(p.shape), p.dtype, p.requires_grad, p.shard_dim, *_tp_dim(p))
+            for p in g.params
+        ],
+        shard_size=info.shard_size,
+        mesh_dim=label(info.shard_mesh_dim),
+        replicate_size=info.replicate_size,
+        replicate_mesh_dim=(
+            None if info.replicate_mesh_dim is None else label(info.replicate_mesh_dim)
+        ),
+        reshard_after_forward=rab,
+        param_dtype=g.mp_policy.param_dtype,
+        reduce_dtype=g.mp_policy.reduce_dtype,
+        name=name,
+        device_type=g.device.type,
+        backend=_backend_of(mesh),
+        offload=g.offload,
+    )
 
 
 def _tp_dim(p) -> tuple[str | int | None, int]:

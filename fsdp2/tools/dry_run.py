@@ -124,27 +124,17 @@ def dry_run(
         >>> report = dry_run(build, world_size=256, tp=8, tp_plan=tp_plan())
         >>> report.counts
     """
-    from device_mesh import init_device_mesh
-    from dtensor.debug import CommDebugMode
-    from fsdp2.recipe import parallelize_transformer
-
-    if dist.is_initialized():
-        raise RuntimeError(
-            "dry_run: torch.distributed is already initialized in this process; the dry run "
-            "needs a fake process group of its own. Run it in a fresh process."
-        )
+    _require_no_process_group()
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     t0 = time.perf_counter()
     shape, names = mesh_for(world_size, tp=tp, dp_replicate=dp_replicate)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        with torch.device("meta"):
-            model = build_model()
-        parallelize_transformer(
-            model,
-            mesh,
+        model = _laid_out_meta_model(
+            build_model,
+            shape,
+            names,
             tp_plan=tp_plan if tp > 1 else None,
             activation_checkpointing=activation_checkpointing,
             mp_policy=mp_policy,
@@ -152,19 +142,52 @@ def dry_run(
         )
         report = DryRunReport(world_size, rank, dict(zip(names, shape, strict=True)))
         report.shard_numel = _shard_numel(model)
-        idx = torch.zeros((batch_size, seq_len), dtype=torch.long, device="meta")
-        with CommDebugMode() as comm:
-            out = (loss_fn or _sum_of_logits)(model, idx)
-            out.backward()
-        for r in comm.records:
-            key = (r.kind, r.mesh_dim)
-            report.counts[key] = report.counts.get(key, 0) + 1
-            report.bytes[key] = report.bytes.get(key, 0) + r.bytes
+        report.counts, report.bytes = _step_collectives(model, loss_fn, batch_size, seq_len)
     finally:
         dist.destroy_process_group()
     report.seconds = time.perf_counter() - t0
     logger.info("dry run of %d ranks took %.1f s", world_size, report.seconds)
     return report
+
+
+def _require_no_process_group() -> None:
+    """Raise unless this process can still create the dry run's fake default group."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "dry_run: torch.distributed is already initialized in this process; the dry run "
+            "needs a fake process group of its own. Run it in a fresh process."
+        )
+
+
+def _laid_out_meta_model(build_model, shape, names, **layout):
+    """The model built on meta and laid out by ``parallelize_transformer`` (its keyword
+    arguments ``layout``) over a CPU mesh of ``shape`` with dims ``names``."""
+    from device_mesh import init_device_mesh
+    from fsdp2.recipe import parallelize_transformer
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    with torch.device("meta"):
+        model = build_model()
+    parallelize_transformer(model, mesh, **layout)
+    return model
+
+
+def _step_collectives(model, loss_fn, batch_size: int, seq_len: int) -> tuple[dict, dict]:
+    """``({(kind, mesh dim): count}, {(kind, mesh dim): bytes})`` of one forward and
+    backward on a meta input of ``(batch_size, seq_len)`` token ids."""
+    from dtensor.debug import CommDebugMode
+
+    counts: dict = {}
+    nbytes: dict = {}
+    idx = torch.zeros((batch_size, seq_len), dtype=torch.long, device="meta")
+    with CommDebugMode() as comm:
+        out = (loss_fn or _sum_of_logits)(model, idx)
+        out.backward()
+    for r in comm.records:
+        key = (r.kind, r.mesh_dim)
+        counts[key] = counts.get(key, 0) + 1
+        nbytes[key] = nbytes.get(key, 0) + r.bytes
+    return counts, nbytes
 
 
 def _sum_of_logits(model, idx):

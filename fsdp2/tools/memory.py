@@ -179,6 +179,34 @@ def _storage_of(t) -> torch.UntypedStorage | None:
         return None
 
 
+class _Roles:
+    """What one walk found: the role of each storage it reached (when several reach one,
+    the first in ``_PRIORITY``; a collective buffer keeps the first role it got), and those
+    storages in the order reached, referenced until they are registered."""
+
+    def __init__(self) -> None:
+        self.of: dict[int, str] = {}
+        self.live: list = []
+
+    def assign(self, t, category: str) -> None:
+        """``t``'s storage plays ``category`` (unless it already plays a higher one)."""
+        storage = _storage_of(t)
+        if storage is None:
+            return
+        key = id(storage)
+        held = self.of.get(key)
+        if held is None:
+            self.live.append(storage)
+        if held is None or _PRIORITY[category] < _PRIORITY[held]:
+            self.of[key] = category
+
+    def assign_comm_buffer(self, storage) -> None:
+        """``storage`` is a collective's buffer, unless it was reached before."""
+        if id(storage) not in self.of:
+            self.of[id(storage)] = "comm_buffers"
+            self.live.append(storage)
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, tracker: MemoryTracker) -> None:
         super().__init__()
@@ -684,49 +712,49 @@ class MemoryTracker:
         """Assign roles to the storages of everything walkable, and refresh every record's
         size (a storage resized since counts at its new size)."""
         self._drain()
-        roles: dict[int, str] = {}
-        live: list = []  # storages to keep referenced until they are registered
-
-        def role(t, category: str) -> None:
-            storage = _storage_of(t)
-            if storage is None:
-                return
-            key = id(storage)
-            held = roles.get(key)
-            if held is None:
-                live.append(storage)
-            if held is None or _PRIORITY[category] < _PRIORITY[held]:
-                roles[key] = category
-
         self._fsdp, self._banks, self._pools = self._fsdp_params()
-        volatile = set()
-        comm_storages = [s for pool in self._pools for s in pool.storages()]
-        for ws in live_workspaces():
-            comm_storages += ws.storages
-        for s in comm_storages:
-            if id(s) not in roles:
-                roles[id(s)] = "comm_buffers"
-                live.append(s)
+        roles = _Roles()
+        for s in self._comm_now():
+            roles.assign_comm_buffer(s)
         for opt in self._optimizers:
             for t in _state_tensors(opt):
-                role(t, "optimizer_state")
+                roles.assign(t, "optimizer_state")
+        volatile = self._walk_unsharded(roles)
+        for root in self._modules:
+            for t in root.buffers():
+                roles.assign(t, "other")
+        for t in self._tensors:
+            roles.assign(t, "other")
+        for p in self._fsdp:
+            roles.assign(p.local, "sharded_params")
+            if p.sharded_param.grad is not None:
+                roles.assign(p.sharded_param.grad, "sharded_grads")
+        self._plain = self._walk_plain_params(roles)
+        self._roles = roles.of
+        self._pending_other = []
+        self._forget_volatile(volatile)
+        self._register_walked(roles)
+        self._refresh_records(roles.of)
+        self._drain()
+
+    def _walk_unsharded(self, roles: _Roles) -> set[int]:
+        """The ids of the ``fully_shard`` parameters' unsharded storages (volatile: counted by
+        ``_refresh_fsdp`` at every sample, kept in ``roles.live`` but given no role); the
+        rows kept after forward (``reshard_after_forward=k``) are unsharded parameters."""
+        volatile = set()
         for p in self._fsdp:
             if p.storage is not None:
                 s = p.storage.tensor.untyped_storage()
                 volatile.add(id(s))
-                live.append(s)
+                roles.live.append(s)
             kept = getattr(p.group, "_kept_rows", None) if p.group is not None else None
             if kept is not None:
-                role(kept, "unsharded_params")
-        for root in self._modules:
-            for t in root.buffers():
-                role(t, "other")
-        for t in self._tensors:
-            role(t, "other")
-        for p in self._fsdp:
-            role(p.local, "sharded_params")
-            if p.sharded_param.grad is not None:
-                role(p.sharded_param.grad, "sharded_grads")
+                roles.assign(kept, "unsharded_params")
+        return volatile
+
+    def _walk_plain_params(self, roles: _Roles) -> list:
+        """The tracked modules' parameters that ``fully_shard`` does not manage, each given
+        the role of a sharded parameter and its gradient that of a sharded gradient."""
         plain = []
         for root in self._modules:
             for param in root.parameters():
@@ -734,23 +762,31 @@ class MemoryTracker:
                     continue  # fully_shard's: walked above, refreshed at every sample
                 plain.append(param)
                 if param.grad is not None:
-                    role(param.grad, "sharded_grads")
-                role(param, "sharded_params")
-        self._plain = plain
-        self._roles = roles
-        self._pending_other = []
+                    roles.assign(param.grad, "sharded_grads")
+                roles.assign(param, "sharded_params")
+        return plain
+
+    def _forget_volatile(self, volatile: set[int]) -> None:
+        """Drop the records of storages that just became volatile, and remember the set."""
         for key in volatile - self._volatile_ids:
             rec = self._records.pop(key, None)
             if rec is not None:
                 self._totals[(rec.device, rec.category)] -= rec.nbytes
         self._volatile_ids = volatile
-        for storage in live:
+
+    def _register_walked(self, roles: _Roles) -> None:
+        """Register every storage the walk reached (but the volatile ones) under its role."""
+        for storage in roles.live:
             key = id(storage)
-            if key in volatile:
+            if key in self._volatile_ids:
                 continue
             if key not in self._records:
                 self._register(storage, "forward", inputs=True)
-            self._set_category(key, roles[key])
+            self._set_category(key, roles.of[key])
+
+    def _refresh_records(self, roles: dict[int, str]) -> None:
+        """Return the records no walk reached to their birth category, queue the freed ones,
+        and count a resized storage at its new size."""
         for key, rec in list(self._records.items()):
             if key not in roles and rec.category != rec.birth:
                 self._set_category(key, rec.birth)  # no longer what it was (a grad set to None)
@@ -762,7 +798,6 @@ class MemoryTracker:
             if nbytes != rec.nbytes:
                 self._totals[(rec.device, rec.category)] += nbytes - rec.nbytes
                 rec.nbytes = nbytes
-        self._drain()
 
     def _refresh_fsdp(self) -> None:
         """The parts that change between walks: unsharded parameters (their memory comes and

@@ -353,6 +353,28 @@ def profile_model(
     if not _on_meta(model):
         meta, blocks = _copy_with_blocks(model, blocks)
         meta = meta.to("meta")
+    params = _param_infos(meta, blocks, seq_len, tp_plan, forward_fn)
+    if not params:
+        raise ValueError("profile_model: the model has no parameters.")
+    hidden, n_layers = _hidden_and_layers(meta, blocks)
+    return ModelProfile(
+        params=params,
+        n_blocks=len(blocks),
+        seq_len=seq_len,
+        hidden=hidden,
+        n_layers=n_layers,
+        saved={},
+        block_inputs={},
+        model=meta,
+        blocks=blocks,
+        forward_fn=forward_fn,
+        tp_plan=tp_plan,
+    )
+
+
+def _param_infos(meta: nn.Module, blocks, seq_len: int, tp_plan, forward_fn) -> list[ParamInfo]:
+    """A ``ParamInfo`` for every parameter of the meta model (a tied one once, under its
+    first name)."""
     block_of = {}
     for i, b in enumerate(blocks):
         for p in b.parameters():
@@ -375,22 +397,7 @@ def profile_model(
                 phase=phases.get(id(p), "post"),
             )
         )
-    if not params:
-        raise ValueError("profile_model: the model has no parameters.")
-    hidden, n_layers = _hidden_and_layers(meta, blocks)
-    return ModelProfile(
-        params=params,
-        n_blocks=len(blocks),
-        seq_len=seq_len,
-        hidden=hidden,
-        n_layers=n_layers,
-        saved={},
-        block_inputs={},
-        model=meta,
-        blocks=blocks,
-        forward_fn=forward_fn,
-        tp_plan=tp_plan,
-    )
+    return params
 
 
 def _find_blocks(model: nn.Module, blocks) -> list[nn.Module]:
@@ -559,47 +566,71 @@ def _param_phases(model, blocks, seq_len: int, forward_fn) -> dict[int, str]:
     return phases
 
 
-def _trace_activations(model, blocks, seq_len, dtype, forward_fn, tp_plan):
-    """Every storage autograd saves in one forward at batch 1 in ``dtype``, tagged with
-    the block (or none) it was saved in; and the bytes of one block's input."""
-    if any(p.dtype != dtype for p in model.parameters() if p.is_floating_point()):
-        model, blocks = _copy_with_blocks(model, blocks, dtype)
-    param_keys = {_storage_key(p) for p in model.parameters()}
-    col_inputs: set[int] = set()
-    region = {"block": None, "phase": "pre", "whole": False}
-    block_index = {id(b): i for i, b in enumerate(blocks)}
-    saved: dict[int, SavedTensor] = {}
-    block_input = [0]
-    handles = []
+class _ActivationTrace:
+    """The hooks of one activation trace and what they record: where the forward is (the
+    block, or before or after the blocks; whether after a module whose output every tp rank
+    holds whole), each storage autograd saves there, and the storages column-parallel
+    modules take as input."""
 
-    def block_pre(module, args):
-        region["block"] = block_index[id(module)]
-        region["phase"] = "block"
+    def __init__(self, model: nn.Module, blocks) -> None:
+        self.param_keys = {_storage_key(p) for p in model.parameters()}
+        self.block_index = {id(b): i for i, b in enumerate(blocks)}
+        self.col_inputs: set[int] = set()
+        self.block: int | None = None
+        self.phase = "pre"
+        self.whole = False
+        self.saved: dict[int, SavedTensor] = {}
+        self.block_input = 0  # bytes of one block's input
+
+    def block_pre(self, module, args) -> None:
+        self.block = self.block_index[id(module)]
+        self.phase = "block"
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if x is not None:
-            block_input[0] = x.numel() * x.element_size()
+            self.block_input = x.numel() * x.element_size()
 
-    def block_post(module, args, out):
-        region["block"] = None
-        region["phase"] = "post"
+    def block_post(self, module, args, out) -> None:
+        self.block = None
+        self.phase = "post"
 
-    def col_pre(module, args):
+    def col_pre(self, module, args) -> None:
         for a in args:
             if isinstance(a, torch.Tensor):
-                col_inputs.add(_storage_key(a))
+                self.col_inputs.add(_storage_key(a))
 
-    for b in blocks:
-        handles += [b.register_forward_pre_hook(block_pre), b.register_forward_hook(block_post)]
+    def replicated_out(self, module, args, out) -> None:
+        self.whole = True
 
-    def replicated_out(module, args, out):  # a module whose output every tp rank holds whole
-        region["whole"] = True
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in self.param_keys and key not in self.saved:
+            self.saved[key] = SavedTensor(
+                t.untyped_storage().nbytes(), self.block, self.whole, self.phase
+            )
+        return t
 
-    regather = False
-    for _name, m, style in _planned(model, tp_plan):
-        if style == "ColwiseParallel":
-            handles.append(m.register_forward_pre_hook(col_pre))
+    def register(self, model: nn.Module, blocks, tp_plan) -> list:
+        """Hook the blocks, the column-parallel modules and the modules outside the blocks
+        whose output is replicated; the hooks' handles."""
+        handles = []
+        for b in blocks:
+            handles += [
+                b.register_forward_pre_hook(self.block_pre),
+                b.register_forward_hook(self.block_post),
+            ]
+        for _name, m, style in _planned(model, tp_plan):
+            if style == "ColwiseParallel":
+                handles.append(m.register_forward_pre_hook(self.col_pre))
+        for m in _replicated_outside_blocks(model, blocks, tp_plan):
+            handles.append(m.register_forward_hook(self.replicated_out))
+        return handles
+
+
+def _replicated_outside_blocks(model: nn.Module, blocks, tp_plan) -> list[nn.Module]:
+    """The modules outside the blocks that ``tp_plan`` gives a ``Replicate`` output (a module
+    whose output every tp rank holds whole), once per matching plan entry."""
+    out = []
     for pattern, style in (tp_plan or {}).items():
-        regather = regather or bool(getattr(style, "regather_in_backward", False))
         layouts = getattr(style, "output_layouts", None)
         layouts = layouts if isinstance(layouts, (tuple, list)) else (layouts,)
         if any(type(pl).__name__ == "Replicate" for pl in layouts):
@@ -609,26 +640,35 @@ def _trace_activations(model, blocks, seq_len, dtype, forward_fn, tp_plan):
                     and _matches(pattern, name)
                     and not any(m is b or _is_inside(m, b) for b in blocks)
                 ):
-                    handles.append(m.register_forward_hook(replicated_out))
+                    out.append(m)
+    return out
 
-    def pack(t: torch.Tensor):
-        key = _storage_key(t)
-        if key not in param_keys and key not in saved:
-            saved[key] = SavedTensor(
-                t.untyped_storage().nbytes(), region["block"], region["whole"], region["phase"]
-            )
-        return t
 
+def _regathers_in_backward(tp_plan) -> bool:
+    """Whether a style of ``tp_plan`` gathers its saved sequence shards again in backward."""
+    return any(
+        bool(getattr(style, "regather_in_backward", False)) for style in (tp_plan or {}).values()
+    )
+
+
+def _trace_activations(model, blocks, seq_len, dtype, forward_fn, tp_plan):
+    """Every storage autograd saves in one forward at batch 1 in ``dtype``, tagged with
+    the block (or none) it was saved in; and the bytes of one block's input."""
+    if any(p.dtype != dtype for p in model.parameters() if p.is_floating_point()):
+        model, blocks = _copy_with_blocks(model, blocks, dtype)
+    trace = _ActivationTrace(model, blocks)
+    handles = trace.register(model, blocks, tp_plan)
+    regather = _regathers_in_backward(tp_plan)
     try:
         idx = torch.zeros((1, seq_len), dtype=torch.long, device="meta")
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _flash_attention():
+        with torch.autograd.graph.saved_tensors_hooks(trace.pack, lambda t: t), _flash_attention():
             (forward_fn or _default_forward)(model, idx)
     finally:
         for h in handles:
             h.remove()
-    for key, s in saved.items():
-        s.whole_under_tp = s.whole_under_tp or (key in col_inputs and not regather)
-    return list(saved.values()), block_input[0]
+    for key, s in trace.saved.items():
+        s.whole_under_tp = s.whole_under_tp or (key in trace.col_inputs and not regather)
+    return list(trace.saved.values()), trace.block_input
 
 
 def _is_inside(m: nn.Module, block: nn.Module) -> bool:
@@ -789,25 +829,31 @@ def estimate(
 
 def _memory(profile: ModelProfile, cfg: PlanConfig, groups, device: str) -> dict:
     """``{phase: {category: bytes}}`` ([Note: the memory model])."""
-    b, tp = cfg.batch_size, cfg.tp
-    own = groups[0].params[0].dtype
-    compute = cfg.param_dtype or own
-    reduce_dtype = cfg.reduce_dtype or compute
-    c_item, r_item = compute.itemsize, reduce_dtype.itemsize
-    trivial = cfg.dp == 1 and compute == own
-    offloaded = cfg.offload and device != "cpu"
-    gloo = device == "cpu"
-    pending = 1 if gloo else 2  # CommContext.max_pending
+    step = _StepMemory(profile, cfg, groups, device)
+    return _by_category(step.moments(), step.rest.sharded, step.rest.optimizer_state)
 
-    root = groups[0] if groups[0].name == "root" else None
-    blocks = [g for g in groups if g.name != "root"]
 
-    def trains(g) -> bool:
-        return any(p.requires_grad for p in g.params)
+def _trains(g: GroupLayout) -> bool:
+    return any(p.requires_grad for p in g.params)
 
-    # --- state at rest
+
+@dataclass
+class _StateAtRest:
+    """The bytes on the device between steps, and the optimizer step's temporaries."""
+
+    sharded: int  # parameter shards
+    grads: int  # gradient shards, once backward is done
+    optimizer_state: int
+    step_temporaries: int
+
+
+def _state_at_rest(
+    profile: ModelProfile, cfg: PlanConfig, groups, device: str, offloaded: bool
+) -> _StateAtRest:
+    """Parameter and gradient shards, optimizer state and the optimizer step's temporaries
+    on the device (none of them when offloaded)."""
     sharded = sum(g.shard_numel * g.itemsize for g in groups)
-    trainable = sum(g.shard_numel * g.itemsize for g in groups if trains(g))
+    trainable = sum(g.shard_numel * g.itemsize for g in groups if _trains(g))
     n_trained = sum(p.requires_grad for p in profile.params)
     opt = _OPTIMIZER_STATES[cfg.optimizer] * trainable
     if cfg.optimizer == "adamw":
@@ -819,29 +865,32 @@ def _memory(profile: ModelProfile, cfg: PlanConfig, groups, device: str) -> dict
     if cfg.optimizer != "adamw":
         opt_temp = 0
     if offloaded:
-        sharded = trainable_dev = opt = opt_temp = 0
-    else:
-        trainable_dev = trainable
+        return _StateAtRest(0, 0, 0, 0)
+    return _StateAtRest(sharded, trainable, opt, opt_temp)
 
-    def unsharded(g) -> int:
-        return 0 if trivial or g is None else g.unsharded_numel * c_item
 
-    def ugrads(g) -> int:
-        return 0 if g is None or not trains(g) else g.unsharded_numel * c_item
+@dataclass
+class _Activations:
+    """The bytes of the activations of one micro-batch (``cfg.batch_size``), by region."""
 
-    # --- activations (batch b), by region
-    saved = profile.saved_for(compute)
+    pre: float  # saved before the blocks
+    post: float  # saved after the blocks
+    post_big: float  # the largest of those
+    per_block: list[float]  # saved in each block
+    biggest: list[float]  # the largest saved in each block
+    block_in: float  # one block's input (sequence-sharded between blocks under tp)
+    gathered: float  # under tp: a gathered input, alive again while backward re-gathers it
+    kept: list[float]  # what each block keeps until its backward (its input under AC)
 
-    def act(s: SavedTensor) -> float:
-        return s.nbytes * b * (1.0 if s.whole_under_tp or tp == 1 else 1.0 / tp)
 
-    gathered = 0.0  # under tp: a gathered input, alive again while backward re-gathers it
-
+def _activations(profile: ModelProfile, cfg: PlanConfig, compute: torch.dtype) -> _Activations:
+    """The traced activations in dtype ``compute``, scaled to the batch and to ``tp``."""
+    b, tp = cfg.batch_size, cfg.tp
     per_block = [0.0] * profile.n_blocks
     biggest = [0.0] * profile.n_blocks
     pre = post = post_big = 0.0
-    for s in saved:
-        a = act(s)
+    for s in profile.saved_for(compute):
+        a = s.nbytes * b * (1.0 if s.whole_under_tp or tp == 1 else 1.0 / tp)
         if s.region is not None:
             per_block[s.region] += a
             biggest[s.region] = max(biggest[s.region], a)
@@ -851,148 +900,227 @@ def _memory(profile: ModelProfile, cfg: PlanConfig, groups, device: str) -> dict
             post += a
             post_big = max(post_big, a)
     block_in = profile.block_inputs[compute] * b / tp  # sequence-sharded between blocks
-    if tp > 1:
-        gathered = block_in * tp
-    ac = cfg.activation_checkpointing
-    kept = [block_in] * profile.n_blocks if ac else per_block
+    gathered = block_in * tp if tp > 1 else 0.0
+    kept = [block_in] * profile.n_blocks if cfg.activation_checkpointing else per_block
+    return _Activations(pre, post, post_big, per_block, biggest, block_in, gathered, kept)
 
-    # --- communication buffers
-    def direct(g, itemsize: int) -> bool:
-        return gloo and g.unsharded_numel * itemsize >= (1 << 20) * len(g.params)
 
-    def pooled(g, nbytes: int) -> int:
+@dataclass
+class _GroupBytes:
+    """What a ``fully_shard`` group holds besides its shards under one configuration: its
+    unsharded parameters and gradients, and the buffers of its collectives."""
+
+    cfg: PlanConfig
+    root: GroupLayout | None
+    c_item: int  # bytes of one element in the compute dtype
+    r_item: int  # in the reduce dtype
+    trivial: bool  # one data-parallel rank and no cast: nothing gathered, grads in place
+    offloaded: bool
+    gloo: bool
+
+    def unsharded(self, g) -> int:
+        return 0 if self.trivial or g is None else g.unsharded_numel * self.c_item
+
+    def ugrads(self, g) -> int:
+        return 0 if g is None or not _trains(g) else g.unsharded_numel * self.c_item
+
+    def grad_shards(self, gs) -> int:
+        """The gradient shards of the groups ``gs`` that train, on the device."""
+        if self.offloaded:
+            return 0
+        return sum(g.shard_numel * g.itemsize for g in gs if _trains(g))
+
+    def direct(self, g, itemsize: int) -> bool:
+        """Whether gloo sends ``g``'s collectives by the direct route (large parameters)."""
+        return self.gloo and g.unsharded_numel * itemsize >= (1 << 20) * len(g.params)
+
+    def pooled(self, g, nbytes: int) -> int:
         """A CPU buffer from the root's pool (groups of the blocks, whose shapes repeat)
         is a whole number of huge pages with some headroom (``BufferPool.get``)."""
-        if not gloo or g is root:
+        if not self.gloo or g is self.root:
             return nbytes
         return -(-(nbytes + (64 << 10)) // (2 << 20)) * (2 << 20)
 
-    def gather_buffers(g) -> int:
-        if trivial or g is None or direct(g, c_item):
+    def gather_buffers(self, g) -> int:
+        if self.trivial or g is None or self.direct(g, self.c_item):
             return 0
-        rows_in = cfg.dp_shard if gloo else 1  # the all-to-all sends one copy per peer
-        return pooled(g, rows_in * g.row_numel * c_item) + pooled(
-            g, cfg.dp_shard * g.row_numel * c_item
+        shard, c_item = self.cfg.dp_shard, self.c_item
+        rows_in = shard if self.gloo else 1  # the all-to-all sends one copy per peer
+        return self.pooled(g, rows_in * g.row_numel * c_item) + self.pooled(
+            g, shard * g.row_numel * c_item
         )
 
-    def reduce_buffers(g) -> int:
+    def reduce_buffers(self, g) -> int:
         """What one reduction in flight holds besides the unsharded gradients."""
-        if trivial or g is None or not trains(g):
+        if self.trivial or g is None or not _trains(g):
             return 0
-        width = (g.row_numel + len(g.params)) * r_item  # values, then one flag each
-        if direct(g, r_item):
-            cast = g.unsharded_numel * r_item if r_item != c_item else 0
-            return pooled(g, (cfg.dp_shard - 1) * width) + cast
-        rows = pooled(g, cfg.dp_shard * width)  # the gradient rows, cast on the way
-        if gloo:  # the all-to-all receives as many
+        width = (g.row_numel + len(g.params)) * self.r_item  # values, then one flag each
+        if self.direct(g, self.r_item):
+            cast = g.unsharded_numel * self.r_item if self.r_item != self.c_item else 0
+            return self.pooled(g, (self.cfg.dp_shard - 1) * width) + cast
+        rows = self.pooled(g, self.cfg.dp_shard * width)  # the gradient rows, cast on the way
+        if self.gloo:  # the all-to-all receives as many
             return 2 * rows
         return rows + width
 
-    def held_grads(g) -> int:
+    def held_grads(self, g) -> int:
         """Unsharded gradients a reduction in flight still holds (a cast copy replaces
         them on the direct route; the staged route copied them into its rows)."""
-        if trivial or g is None or not trains(g):
+        if self.trivial or g is None or not _trains(g):
             return 0
-        if direct(g, r_item) and r_item == c_item:
-            return ugrads(g)
+        if self.direct(g, self.r_item) and self.r_item == self.c_item:
+            return self.ugrads(g)
         return 0
 
-    ref = max(blocks, key=lambda g: g.unsharded_numel) if blocks else root
-    root_u = unsharded(root)
-    if not blocks:
-        in_flight = 0
-    elif cfg.reshard_after_forward:
-        in_flight = sum(unsharded(g) for g in blocks[-2:])
-    else:
-        in_flight = sum(unsharded(g) for g in blocks)
-    after_forward = 0 if cfg.reshard_after_forward else sum(unsharded(g) for g in blocks)
 
-    # the root's gradients: those of modules that ran after the blocks exist from the
-    # start of backward (the head), the others only at its end (the embeddings)
-    root_post = 0
-    if root is not None:
+class _StepMemory:
+    """The moments of one step ([Note: the memory model]), each as ``{category: bytes}``
+    of the categories that change over the step."""
+
+    def __init__(self, profile: ModelProfile, cfg: PlanConfig, groups, device: str) -> None:
+        own = groups[0].params[0].dtype
+        compute = cfg.param_dtype or own
+        reduce_dtype = cfg.reduce_dtype or compute
+        offloaded = cfg.offload and device != "cpu"
+        gloo = device == "cpu"
+        self.cfg = cfg
+        self.pending = 1 if gloo else 2  # CommContext.max_pending
+        self.root = groups[0] if groups[0].name == "root" else None
+        self.blocks = [g for g in groups if g.name != "root"]
+        trivial = cfg.dp == 1 and compute == own
+        self.g = _GroupBytes(
+            cfg, self.root, compute.itemsize, reduce_dtype.itemsize, trivial, offloaded, gloo
+        )
+        self.rest = _state_at_rest(profile, cfg, groups, device, offloaded)
+        self.acts = _activations(profile, cfg, compute)
+        # the group whose gathers size the buffers: the largest block
+        self.ref = max(self.blocks, key=lambda g: g.unsharded_numel) if self.blocks else self.root
+        self.root_u = self.g.unsharded(self.root)
+        self.root_post = self._root_post_grads()
+        self.grads_key = "sharded_grads" if trivial else "unsharded_grads"
+
+    def _root_post_grads(self) -> int:
+        """The root's gradients that exist from the start of backward: those of the modules
+        that ran after the blocks (the head); the others (the embeddings) only at its end."""
+        root = self.root
+        if root is None:
+            return 0
         share = sum(math.prod(p.shape) for p in root.params if p.phase == "post")
         total = sum(math.prod(p.shape) for p in root.params) or 1
-        root_post = int(ugrads(root) * share / total)
+        return int(self.g.ugrads(root) * share / total)
 
-    grads_key = "sharded_grads" if trivial else "unsharded_grads"
-    phases = {
-        "forward": {
-            "unsharded_params": root_u + after_forward,
-            "activations": pre + sum(kept) + post,
-            "comm_buffers": gather_buffers(ref),
-        },
-        "backward start": {
-            "unsharded_params": root_u + in_flight,
-            grads_key: root_post,
-            "activations": pre + sum(kept) + post,
-            "temporaries": 2 * post_big,
-            "comm_buffers": gather_buffers(ref),
-        },
-    }
+    def moments(self) -> dict:
+        """``{phase: {category: bytes}}`` in the order of a step."""
+        phases = self.forward_moments()
+        for i in range(len(self.blocks) - 1, -1, -1):
+            phases[f"backward {self.blocks[i].name}"] = self.block_backward(i)
+        phases.update(self.backward_end_moments())
+        phases["optimizer"] = {
+            "sharded_grads": self.rest.grads,
+            "optimizer_state": self.rest.optimizer_state,
+            "temporaries": self.rest.step_temporaries,
+        }
+        return phases
 
-    def shards(gs) -> int:
-        return 0 if offloaded else sum(g.shard_numel * g.itemsize for g in gs if trains(g))
-
-    # backward, block by block (last to first): the block computing and the one prefetched
-    # are unsharded, the blocks after it are reduced (but the `pending` latest, whose
-    # reductions are in flight), the blocks before it still hold their activations
-    for i in range(len(blocks) - 1, -1, -1):
-        queued = blocks[i + 1 : i + 1 + pending]
-        if cfg.reshard_after_forward:
-            gathered_now = sum(unsharded(g) for g in blocks[max(i - 1, 0) : i + 1])
+    def forward_moments(self) -> dict:
+        """The end of forward, and the start of backward (the loss's gradient)."""
+        g, a, blocks = self.g, self.acts, self.blocks
+        if not blocks:
+            in_flight = 0
+        elif self.cfg.reshard_after_forward:
+            in_flight = sum(g.unsharded(b) for b in blocks[-2:])
         else:
-            gathered_now = sum(unsharded(g) for g in blocks[: i + 1])
-        if trivial:  # gradients land in .grad at once, whole
-            grads = {"sharded_grads": root_post + sum(ugrads(g) for g in blocks[i:])}
+            in_flight = sum(g.unsharded(b) for b in blocks)
+        after_forward = 0 if self.cfg.reshard_after_forward else sum(g.unsharded(b) for b in blocks)
+        return {
+            "forward": {
+                "unsharded_params": self.root_u + after_forward,
+                "activations": a.pre + sum(a.kept) + a.post,
+                "comm_buffers": g.gather_buffers(self.ref),
+            },
+            "backward start": {
+                "unsharded_params": self.root_u + in_flight,
+                self.grads_key: self.root_post,
+                "activations": a.pre + sum(a.kept) + a.post,
+                "temporaries": 2 * a.post_big,
+                "comm_buffers": g.gather_buffers(self.ref),
+            },
+        }
+
+    def block_backward(self, i: int) -> dict:
+        """Block ``i``'s backward: it and the block prefetched are unsharded, the blocks
+        after it are reduced (but the ``pending`` latest, whose reductions are in flight),
+        the blocks before it still hold their activations."""
+        g, a, blocks = self.g, self.acts, self.blocks
+        ac = self.cfg.activation_checkpointing
+        queued = blocks[i + 1 : i + 1 + self.pending]
+        if self.cfg.reshard_after_forward:
+            gathered_now = sum(g.unsharded(b) for b in blocks[max(i - 1, 0) : i + 1])
         else:
-            grads = {
-                "sharded_grads": shards(blocks[i + 1 + pending :]),
-                "unsharded_grads": root_post
-                + ugrads(blocks[i])
-                + sum(held_grads(g) for g in queued),
-            }
+            gathered_now = sum(g.unsharded(b) for b in blocks[: i + 1])
         # backward's working set in a block: the gradients of its input and output, and of
         # its largest intermediate (twice); the recomputed block under checkpointing
-        phases[f"backward {blocks[i].name}"] = {
-            "unsharded_params": root_u + gathered_now,
-            **grads,
-            "activations": pre + sum(kept[:i]) + (0 if ac else per_block[i]),
-            "temporaries": 2 * biggest[i] + 2 * block_in + gathered + (per_block[i] if ac else 0),
-            "comm_buffers": gather_buffers(ref) + sum(reduce_buffers(g) for g in queued),
+        return {
+            "unsharded_params": self.root_u + gathered_now,
+            **self._block_grads(i, queued),
+            "activations": a.pre + sum(a.kept[:i]) + (0 if ac else a.per_block[i]),
+            "temporaries": 2 * a.biggest[i]
+            + 2 * a.block_in
+            + a.gathered
+            + (a.per_block[i] if ac else 0),
+            "comm_buffers": g.gather_buffers(self.ref) + sum(g.reduce_buffers(b) for b in queued),
         }
-    if root is not None:
-        # the modules before the blocks (embeddings) run backward: the first blocks'
-        # reductions still in flight; their dense gradient is built, then accumulated
-        queued = blocks[:pending]
-        pre_grads = ugrads(root) - root_post
-        if trivial:
-            grads = {"sharded_grads": ugrads(root) + sum(ugrads(g) for g in blocks)}
+
+    def _block_grads(self, i: int, queued) -> dict:
+        """The gradients during block ``i``'s backward, the blocks ``queued`` reducing."""
+        g, blocks = self.g, self.blocks
+        if g.trivial:  # gradients land in .grad at once, whole
+            return {"sharded_grads": self.root_post + sum(g.ugrads(b) for b in blocks[i:])}
+        return {
+            "sharded_grads": g.grad_shards(blocks[i + 1 + self.pending :]),
+            "unsharded_grads": self.root_post
+            + g.ugrads(blocks[i])
+            + sum(g.held_grads(b) for b in queued),
+        }
+
+    def backward_end_moments(self) -> dict:
+        """The backward of the modules before the blocks (embeddings), the first blocks'
+        reductions still in flight: their dense gradient is built, then accumulated; then
+        the root's own reduction. None without a root."""
+        root, g, blocks = self.root, self.g, self.blocks
+        if root is None:
+            return {}
+        queued = blocks[: self.pending]
+        if g.trivial:
+            grads = {"sharded_grads": g.ugrads(root) + sum(g.ugrads(b) for b in blocks)}
         else:
             grads = {
-                "sharded_grads": shards(blocks[pending:]),
-                "unsharded_grads": ugrads(root) + sum(held_grads(g) for g in queued),
+                "sharded_grads": g.grad_shards(blocks[self.pending :]),
+                "unsharded_grads": g.ugrads(root) + sum(g.held_grads(b) for b in queued),
             }
-        phases["backward end"] = {
-            "unsharded_params": root_u,
-            **grads,
-            "activations": pre,
-            "temporaries": pre_grads,
-            "comm_buffers": sum(reduce_buffers(g) for g in queued),
+        out = {
+            "backward end": {
+                "unsharded_params": self.root_u,
+                **grads,
+                "activations": self.acts.pre,
+                "temporaries": g.ugrads(root) - self.root_post,
+                "comm_buffers": sum(g.reduce_buffers(b) for b in queued),
+            }
         }
-        if not trivial and trains(root):
+        if not g.trivial and _trains(root):
             # the root's own reduction, last: every block reduced, the root resharded
-            phases["root reduction"] = {
-                "sharded_grads": shards(blocks),
-                "unsharded_grads": held_grads(root),
-                "temporaries": root.row_numel * r_item,
-                "comm_buffers": reduce_buffers(root),
+            out["root reduction"] = {
+                "sharded_grads": g.grad_shards(blocks),
+                "unsharded_grads": g.held_grads(root),
+                "temporaries": root.row_numel * g.r_item,
+                "comm_buffers": g.reduce_buffers(root),
             }
-    phases["optimizer"] = {
-        "sharded_grads": trainable_dev,
-        "optimizer_state": opt,
-        "temporaries": opt_temp,
-    }
+        return out
+
+
+def _by_category(phases: dict, sharded: int, opt: int) -> dict:
+    """Every moment in every category (``CATEGORIES``), as ints: the parameter shards at
+    every moment, the optimizer state at every one but the optimizer step's (which has it)."""
     out = {}
     for ph, cats in phases.items():
         row = {c: 0 for c in CATEGORIES}
