@@ -79,11 +79,15 @@ class FSDPModule:
     def reshard(self) -> None:
         """Free the unsharded parameters; the module holds its shards only.
 
+        Raises:
+            FSDPStateError: called while the module computes with its gathered parameters
+                (inside its forward, or inside its backward before its post-backward);
+                the message names the module and the states.
+
         Example:
             >>> model.reshard()
         """
-        if self._fsdp.group is not None:
-            self._fsdp.group.reshard()
+        self._fsdp.reshard()
 
     def reset_iter_state(self) -> None:
         """Recover after an exception inside forward or backward (root only).
@@ -154,10 +158,8 @@ class FSDPModule:
                     "whose backward still needs the rows kept by reshard_after_forward=int."
                 )
         for s in states:
-            s.reshard_after_forward_arg = flag
             if s.group is not None:
-                s.group.reshard_after_forward = flag
-                s.group.post_forward = None
+                s.group.set_reshard_after_forward(flag)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse=True) -> None:
         """Free (True) or keep (False) the unsharded parameters after backward.
@@ -318,10 +320,20 @@ class FSDPModule:
     # ------------------------------------------------------------------------- conversions
     def _apply(self, fn, *args, **kwargs):
         # .to() / .float() / to_empty(): drop unsharded copies first, so none outlives a
-        # change of dtype or device; conversions then act on the registered shards.
-        for g in self._groups(True):
+        # change of dtype or device; conversions then act on the registered shards, and
+        # the groups compute again what their parameters' dtypes decide.
+        groups = self._groups(True)
+        for m in self.modules():  # tied parameters an enclosing call's group took over
+            for fp in m.__dict__.get("_fsdp_locations", {}).values():
+                if fp.group is not None and all(fp.group is not g for g in groups):
+                    groups.append(fp.group)
+        for g in groups:
             g.discard_unsharded()
-        return super()._apply(fn, *args, **kwargs)
+        out = super()._apply(fn, *args, **kwargs)
+        for g in groups:
+            if g.initialized:
+                g.refresh_dtypes()
+        return out
 
     def __deepcopy__(self, memo):
         raise RuntimeError(

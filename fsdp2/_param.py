@@ -210,7 +210,7 @@ class FSDPParam:
         # (count, gradient or None) - [Note: one summation tree] in dtensor/comm.py
         self.grad_leaves: list[tuple[int, torch.Tensor | None]] = []
         self.fqn = locations[0][1]
-        self.group = None  # the FSDPParamGroup that gathers it (set by the group)
+        self.group = None  # the FSDPParamGroup that gathers it (``join``)
 
     def claim(self, call: str) -> None:
         """Mark the original as replaced and the shard as managed by the fully_shard call
@@ -219,6 +219,11 @@ class FSDPParam:
         if original is not None:
             original._fsdp_replaced_by = self
         self.sharded_param._fsdp_managed = call
+
+    def join(self, group) -> None:
+        """Be gathered and reduced by ``group`` (an ``FSDPParamGroup``, on its construction:
+        a tied parameter an enclosing call takes over joins that call's group)."""
+        self.group = group
 
     @property
     def original(self) -> nn.Parameter | None:

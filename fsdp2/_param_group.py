@@ -1,19 +1,28 @@
 """FSDPParamGroup: the parameters of one ``fully_shard`` call, gathered and reduced together.
 
-Memory state (``ShardedState``):
+Its ``FSDPState`` (``owner``) builds it and owns what the call was given for all its modules
+(the modules, ``mp_policy``); the group owns what moves its parameters: the mesh, the device,
+offloading, ``reshard_after_forward`` and the controls ``FSDPModule.set_*`` change. The
+root's lazy init attaches it to the root's ``CommContext`` (``lazy_init``) and computes, once,
+what its parameters' dtypes decide: each one's compute dtype, the all-gather's row layout,
+the reduction dtype and whether nothing needs to move (``trivial``); a conversion of the
+parameters (``module.to(...)``) computes them again (``refresh_dtypes``).
 
-* ``SHARDED`` - only the shards exist; the unsharded buffers hold no memory;
-* ``UNSHARDED`` - one all-gather has filled every unsharded parameter;
-* ``SHARDED_POST_FORWARD`` - ``reshard_after_forward=k``: after forward this rank keeps the
-  rows of ``k`` ranks' shards, so backward re-gathers within a group of ``k``.
+Memory state (``ShardedState``, ``_lifecycle.py``): ``SHARDED`` - only the shards exist;
+``UNSHARDING`` - an all-gather is in flight (``unshard()`` issued, ``wait_for_unshard()``
+not yet called); ``UNSHARDED`` - the all-gather filled every unsharded parameter;
+``SHARDED_POST_FORWARD`` - ``reshard_after_forward=k``: after forward this rank keeps the
+rows of ``k`` ranks' shards, so backward re-gathers within a group of ``k``. Each move is one
+method that checks where it comes from (``_begin_gather``, ``_end_gather``, ``_alias``,
+``_free``, ``_drop_kept_rows``); ``unshard()``, ``wait_for_unshard()``, ``reshard()`` and
+``discard_unsharded()`` are requests that make the moves the current state needs.
 
-An all-gather in flight (``unshard()`` issued, ``wait_for_unshard()`` not yet called) is
-``gather_in_flight``. What the modules *register* follows the memory state, as in PyTorch's
-FSDP2: once an all-gather completes they register the unsharded parameters, and resharding
-registers the sharded DTensors again. So after ``unshard()``, after a forward that keeps the
-memory (``reshard_after_forward=False``) and during a group's backward, a module's attributes
-and ``named_parameters()`` are the unsharded tensors; ``SHARDED_POST_FORWARD`` registers the
-sharded DTensors. ``state_dict()`` swaps the shards in for the save (``_state_dict.py``).
+What the modules *register* follows the memory state, as in PyTorch's FSDP2: they register
+the unsharded parameters exactly while the group is ``UNSHARDED`` and the sharded DTensors
+otherwise. So after ``unshard()``, after a forward that keeps the memory
+(``reshard_after_forward=False``) and during a group's backward, a module's attributes and
+``named_parameters()`` are the unsharded tensors. ``state_dict()`` swaps the shards in for
+the save (``_state_dict.py``).
 
 [Note: stale gathered copies] Gathered parameters, or the rows ``reshard_after_forward=k``
 keeps, may outlive an optimizer step (a forward that no backward follows - under no_grad,
@@ -34,29 +43,21 @@ parameter is an alias of the shard and no collective is issued.
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 
 import torch
-import torch.distributed as dist
 
 from dtensor import debug
 from fsdp2 import _collectives as C
+from fsdp2._lifecycle import FSDPStateError as FSDPStateError  # raised here, imported from here
+from fsdp2._lifecycle import ShardedState, check_move
 from fsdp2._param import FSDPParam, MeshInfo
 from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 logger = logging.getLogger(__name__)
 
-
-class ShardedState(enum.Enum):
-    SHARDED = "sharded"
-    SHARDED_POST_FORWARD = "sharded_post_forward"
-    UNSHARDED = "unsharded"
-
-
-class FSDPStateError(AssertionError):
-    """An internal invariant of the runtime does not hold (a bug, not a usage error)."""
+_BUG = "(a bug in fsdp2's runtime: please report it with this message)"
 
 
 class PostForwardMesh:
@@ -98,32 +99,51 @@ class PendingReduce:
 
 
 class FSDPParamGroup:
-    """Parameters of one ``fully_shard`` call and the collectives that move them."""
+    """Parameters of one ``fully_shard`` call and the collectives that move them.
+
+    Built whole by its ``FSDPState`` (``owner``); attached to the root at lazy init.
+
+    Example:
+        >>> group = model.blocks[0]._fsdp.group
+        >>> group.unshard(); group.wait_for_unshard()   # what FSDPModule.unshard() does
+        >>> group.state
+        <ShardedState.UNSHARDED: 'unsharded'>
+    """
 
     def __init__(
         self,
+        owner,
         params: list[FSDPParam],
         mesh_info: MeshInfo,
         device: torch.device,
-        mp_policy: MixedPrecisionPolicy,
         offload_policy: OffloadPolicy,
+        reshard_after_forward: bool | None,
         post_forward: PostForwardMesh | None,
     ) -> None:
+        self.owner = owner  # the FSDPState of the call: its modules, mp_policy and name
         self.params = params
         for p in params:
-            p.group = self
-        self.modules: tuple = ()  # the modules of the fully_shard call (set by it)
+            p.join(self)
         self.mesh_info = mesh_info
         self.device = device
-        self.mp_policy = mp_policy
         self.offload = isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu"
         self.pin_memory = self.offload and offload_policy.pin_memory
+        # Free the gathered parameters after forward: True / False, or None until the root's
+        # lazy init settles it (True except for the root). With post_forward
+        # (reshard_after_forward=k) a True keeps the rows of k ranks instead of nothing.
+        self.reshard_after_forward = reshard_after_forward
         self.post_forward = post_forward
-        self.comm = None  # the root's CommContext, set at lazy init
-        self.scope = "fsdp"  # the flight recorder's name for it (its module's path, at lazy init)
+        # set once by lazy_init
+        self.comm = None  # the root's CommContext
+        self.scope = "fsdp"  # the flight recorder's name for it (its modules' paths)
         self.pool = None  # comm.pool, or comm.no_pool for a group whose shapes are unique
+        # what the parameters' dtypes decide, computed by refresh_dtypes (at lazy init)
+        self.layout: C.RowLayout | None = None  # one rank's row of the all-gather
+        self.reduce_dtype: torch.dtype | None = None
+        self.trivial = False
+        self._grad_params: list[FSDPParam] = []  # the parameters that train
+        self._widened: list[FSDPParam] = []  # ... of them, those computed in another dtype
         # controls (FSDPModule.set_*)
-        self.reshard_after_forward: bool | None = None  # None until lazy init resolves it
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
@@ -132,48 +152,97 @@ class FSDPParamGroup:
         self.all_reduce_hook = None
         self.force_sum_reduction_for_comms = False  # reductions are always sums here
         self.deterministic = False  # set_deterministic_reduction: one summation tree
-        # runtime
+        # runtime: the memory state and what each state holds
         self.state = ShardedState.SHARDED
-        self._gather: C.AllGather | None = None
-        self._kept_rows: torch.Tensor | None = None  # SHARDED_POST_FORWARD only
+        self._gather: C.AllGather | None = None  # UNSHARDING: the all-gather in flight
+        self._kept_rows: torch.Tensor | None = None  # SHARDED_POST_FORWARD: the rows kept
         self._gathered_versions: list | None = None  # shard versions at the last gather
-        self.registered_unsharded = False
         self._partial_reduce: torch.Tensor | None = None  # HSDP, requires_all_reduce=False
 
     @property
     def initialized(self) -> bool:
         return self.comm is not None
 
-    # --------------------------------------------------------------------------- dtypes
-    def compute_dtype(self, p: FSDPParam) -> torch.dtype:
-        """The dtype ``p`` is gathered and computed in: ``param_dtype``, else its own."""
-        return self.mp_policy.param_dtype or p.dtype
+    @property
+    def trains(self) -> bool:
+        """Whether any of the parameters trains (known from lazy init on)."""
+        return bool(self._grad_params)
 
     @property
-    def layout(self) -> C.RowLayout:
-        """Slots of one rank's row of this group's all-gather (bytes when dtypes differ)."""
-        return C.RowLayout(
-            [p.padded_numel for p in self.params], [self.compute_dtype(p) for p in self.params]
-        )
+    def modules(self) -> tuple:
+        """The modules of the ``fully_shard`` call (its ``FSDPState``'s)."""
+        return self.owner.modules
 
     @property
-    def reduce_dtype(self) -> torch.dtype:
-        """One dtype for the group's gradient reduction: ``reduce_dtype``, else the compute
-        dtype of the parameters that train (the widest, when a group mixes them)."""
-        if self.mp_policy.reduce_dtype is not None:
-            return self.mp_policy.reduce_dtype
-        dtypes = {self.compute_dtype(p) for p in self.params if p.requires_grad}
-        dtypes = dtypes or {self.compute_dtype(p) for p in self.params}
-        return functools.reduce(torch.promote_types, sorted(dtypes, key=str))
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        """The call's ``MixedPrecisionPolicy`` (its ``FSDPState``'s)."""
+        return self.owner.mp_policy
 
-    @property
-    def trivial(self) -> bool:
-        """One data-parallel rank, no cast, no offload: the shard *is* the full parameter."""
-        return (
+    # --------------------------------------------------------------------------- set-up
+    def remove(self, fp: FSDPParam) -> None:
+        """Give up a tied parameter an enclosing call takes over ([Note: tied parameters])."""
+        self.params.remove(fp)
+
+    def lazy_init(self, comm, *, is_root: bool, scope: str, pooled: bool) -> None:
+        """Attach to the root's ``comm`` (the root's first forward): settle
+        ``reshard_after_forward`` (None: True except for the root), check offloaded shards,
+        and compute what the parameters' dtypes decide. ``pooled``: another group of the
+        root has buffers of the same shapes (``buffer_key``), so this one pools its own."""
+        if self.reshard_after_forward is None:
+            self.reshard_after_forward = not is_root
+        self.check_offload()
+        self.comm = comm
+        self.scope = scope
+        self.pool = comm.pool if pooled else comm.no_pool
+        self.refresh_dtypes()
+
+    def refresh_dtypes(self) -> None:
+        """Compute what the parameters' dtypes and the policy decide (at lazy init, and after
+        a conversion changed the dtypes): the all-gather's row layout (each parameter's
+        compute dtype: ``param_dtype``, else its own), the reduction dtype, and whether
+        nothing needs to move."""
+        self.layout = self._row_layout()
+        self.reduce_dtype = self._grad_reduce_dtype()
+        self._grad_params = [p for p in self.params if p.requires_grad]
+        self._widened = [
+            p
+            for p, dtype in zip(self.params, self.layout.dtypes, strict=True)
+            if p.requires_grad and dtype != self.reduce_dtype
+        ]
+        # one data-parallel rank, no cast, no offload: the shard *is* the full parameter
+        self.trivial = not self.params or (
             self.mesh_info.data_parallel_size == 1
-            and all(self.compute_dtype(p) == p.dtype for p in self.params)
+            and all(d == p.dtype for p, d in zip(self.params, self.layout.dtypes, strict=True))
             and not self.offload
         )
+
+    def _row_layout(self) -> C.RowLayout:
+        dtype = self.mp_policy.param_dtype
+        return C.RowLayout(
+            [p.padded_numel for p in self.params], [dtype or p.dtype for p in self.params]
+        )
+
+    def _grad_reduce_dtype(self) -> torch.dtype:
+        """One dtype for the group's gradient reduction: ``reduce_dtype``, else the compute
+        dtype of the parameters that train (the widest, when a group mixes them)."""
+        policy = self.mp_policy
+        if policy.reduce_dtype is not None:
+            return policy.reduce_dtype
+        dtypes = {policy.param_dtype or p.dtype for p in self.params if p.requires_grad}
+        dtypes = dtypes or {policy.param_dtype or p.dtype for p in self.params}
+        return functools.reduce(torch.promote_types, sorted(dtypes, key=str))
+
+    def buffer_key(self) -> tuple:
+        """What decides the shapes of this group's collective buffers (read at lazy init,
+        before ``lazy_init``, to see which groups share them)."""
+        layout = self._row_layout()
+        return (layout.width, len(self.params), layout.row_dtype, self._grad_reduce_dtype())
+
+    def set_reshard_after_forward(self, flag: bool) -> None:
+        """``FSDPModule.set_reshard_after_forward``: free (True) or keep (False) the gathered
+        parameters after forward; an int given to ``fully_shard`` is forgotten."""
+        self.reshard_after_forward = flag
+        self.post_forward = None
 
     def check_offload(self) -> None:
         """CPU offload: sharded parameters must live on the host (pinned if asked)."""
@@ -201,40 +270,20 @@ class FSDPParamGroup:
             self.device = torch.device("meta")
             self.offload = self.pin_memory = False
 
-    def _check(self, ok: bool, what: str) -> None:
-        if not ok:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            names = ", ".join(p.fqn for p in self.params[:3])
-            raise FSDPStateError(f"[rank {rank}] fsdp2 group ({names}): {what}")
+    # --------------------------------------------------------------------------- moves
+    # Each move checks where it comes from, does its work, and enters its target state.
+    def _check(self, allowed: tuple, target: ShardedState) -> None:
+        check_move(self.owner.label, self.state, allowed, target, _BUG)
 
-    # --------------------------------------------------------------------------- unshard
-    @property
-    def gather_in_flight(self) -> bool:
-        return self._gather is not None
-
-    def unshard(self) -> None:
-        """Start the all-gather (returns at once); ``wait_for_unshard`` completes it."""
-        if self._gather is not None:
-            return
-        if self.state is not ShardedState.SHARDED and self._shards_changed():
-            # [Note: stale gathered copies] parameters (or the rows reshard_after_forward=k
-            # keeps) gathered before an optimizer step: drop them and gather again
-            self.discard_unsharded()
-        if self.state is ShardedState.UNSHARDED:
-            return
-        if not self.params or self.trivial:  # nothing to gather (a tie moved all away)
-            for p in self.params:
-                p.alias_shard()
-            self.state = ShardedState.UNSHARDED
-            self.register_unsharded()
-            return
-        for p in self.params:
-            p.ensure_unsharded(self.compute_dtype(p), self.device, self.comm)
-        kept, self._kept_rows = self._kept_rows, None
+    def _begin_gather(self) -> None:
+        """SHARDED or SHARDED_POST_FORWARD -> UNSHARDING: issue the all-gather (from the
+        kept rows, when there are)."""
         self._check(
-            (kept is not None) == (self.state is ShardedState.SHARDED_POST_FORWARD),
-            f"kept rows do not match state {self.state}",
+            (ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD), ShardedState.UNSHARDING
         )
+        for p, dtype in zip(self.params, self.layout.dtypes, strict=True):
+            p.ensure_unsharded(dtype, self.device, self.comm)
+        kept, self._kept_rows = self._kept_rows, None
         self.comm.hold_pages_for(sum(p.storage.nbytes for p in self.params))
         self._gathered_versions = [p.shard_version for p in self.params]
         with debug.collective_scope(self.scope):
@@ -247,6 +296,63 @@ class FSDPParamGroup:
                 kept_rows=kept,
                 post_forward=self.post_forward,
             )
+        self.state = ShardedState.UNSHARDING
+
+    def _end_gather(self) -> None:
+        """UNSHARDING -> UNSHARDED: finish the all-gather; the modules register the
+        unsharded parameters."""
+        self._check((ShardedState.UNSHARDING,), ShardedState.UNSHARDED)
+        gather, self._gather = self._gather, None
+        gather.wait()
+        for p in self.params:
+            p.to_unsharded()
+        self.state = ShardedState.UNSHARDED
+
+    def _alias(self) -> None:
+        """SHARDED -> UNSHARDED with nothing to gather (``trivial``): the unsharded
+        parameters alias the shards."""
+        self._check((ShardedState.SHARDED,), ShardedState.UNSHARDED)
+        for p in self.params:
+            p.alias_shard()
+            p.to_unsharded()
+        self.state = ShardedState.UNSHARDED
+
+    def _free(self, *, keep_rows: bool) -> None:
+        """UNSHARDED -> SHARDED, or SHARDED_POST_FORWARD keeping this rank's block of rows
+        (``reshard_after_forward=k``): the modules register the shards again."""
+        target = ShardedState.SHARDED_POST_FORWARD if keep_rows else ShardedState.SHARDED
+        self._check((ShardedState.UNSHARDED,), target)
+        for p in self.params:
+            p.to_sharded()
+        if keep_rows:
+            self._kept_rows = self._rows_for_post_forward()
+        if not self.trivial:
+            for p in self.params:
+                p.free_unsharded()
+        self.state = target
+
+    def _drop_kept_rows(self) -> None:
+        """SHARDED_POST_FORWARD -> SHARDED: forget the rows kept after forward."""
+        self._check((ShardedState.SHARDED_POST_FORWARD,), ShardedState.SHARDED)
+        self._kept_rows = None
+        self.state = ShardedState.SHARDED
+
+    # --------------------------------------------------------------------------- requests
+    def unshard(self) -> None:
+        """Start the all-gather (returns at once); ``wait_for_unshard`` completes it."""
+        state = self.state
+        if state is ShardedState.UNSHARDING:
+            return
+        if state is not ShardedState.SHARDED and self._shards_changed():
+            # [Note: stale gathered copies] parameters (or the rows reshard_after_forward=k
+            # keeps) gathered before an optimizer step: drop them and gather again
+            self.discard_unsharded()
+        elif state is ShardedState.UNSHARDED:
+            return
+        if self.trivial:
+            self._alias()
+        else:
+            self._begin_gather()
 
     def _shards_changed(self) -> bool:
         """Whether a shard was written since the all-gather that filled the unsharded
@@ -258,52 +364,24 @@ class FSDPParamGroup:
 
     def wait_for_unshard(self) -> None:
         """Finish a started all-gather; the unsharded parameters then hold the full values."""
-        if self._gather is None:
-            return
-        gather, self._gather = self._gather, None
-        gather.wait()
-        self.state = ShardedState.UNSHARDED
-        self.register_unsharded()
+        if self.state is ShardedState.UNSHARDING:
+            self._end_gather()
 
-    # --------------------------------------------------------------------------- registration
-    def register_unsharded(self) -> None:
-        """Let the modules see the unsharded parameters (done whenever they are gathered)."""
-        self._check(self.state is ShardedState.UNSHARDED, f"registering unsharded in {self.state}")
-        if not self.registered_unsharded:
-            for p in self.params:
-                p.to_unsharded()
-            self.registered_unsharded = True
-
-    def register_sharded(self) -> None:
-        """Let the modules see the sharded parameters again (the memory may stay)."""
-        if self.registered_unsharded:
-            for p in self.params:
-                p.to_sharded()
-            self.registered_unsharded = False
-
-    # --------------------------------------------------------------------------- reshard
     def reshard(self, *, after_forward: bool = False) -> None:
-        """Free the unsharded parameters and register the sharded ones again."""
+        """Free the unsharded parameters and register the sharded ones again (waiting for an
+        all-gather in flight first); ``after_forward`` keeps the rows
+        ``reshard_after_forward=k`` asks for."""
         self.wait_for_unshard()
-        self.register_sharded()
-        if self.state is not ShardedState.UNSHARDED:
-            return
-        if after_forward and self.post_forward is not None and not self.trivial:
-            self._kept_rows = self._rows_for_post_forward()
-            self.state = ShardedState.SHARDED_POST_FORWARD
-        else:
-            self.state = ShardedState.SHARDED
-        if not self.trivial:
-            for p in self.params:
-                p.free_unsharded()
+        if self.state is ShardedState.UNSHARDED:
+            keep = after_forward and self.post_forward is not None and not self.trivial
+            self._free(keep_rows=keep)
 
     def discard_unsharded(self) -> None:
         """Drop every gathered copy, the rows kept after forward included (before a load or a
         change of dtype or device would make them stale)."""
         self.reshard()
         if self.state is ShardedState.SHARDED_POST_FORWARD:
-            self._kept_rows = None
-            self.state = ShardedState.SHARDED
+            self._drop_kept_rows()
 
     def _rows_for_post_forward(self) -> torch.Tensor:
         pf = self.post_forward
@@ -315,29 +393,12 @@ class FSDPParamGroup:
             layout.slot(rows, i).copy_(p.unsharded_rank_blocks()[lo : lo + per])
         return rows
 
-    def buffer_key(self) -> tuple:
-        """What decides the shapes of this group's collective buffers."""
-        layout = self.layout
-        return (layout.width, len(self.params), layout.row_dtype, self.reduce_dtype)
-
     # --------------------------------------------------------------------------- gradients
-    def _accumulates_in_reduce_dtype(self, p: FSDPParam) -> bool:
-        return self.reduce_dtype != self.compute_dtype(p)
-
     def post_backward(self) -> PendingReduce | None:
         """Take the unsharded gradients, reshard, and issue their reduction."""
-        with_grad = [p for p in self.params if p.requires_grad]
+        with_grad = self._grad_params
         if not self.requires_gradient_sync or not with_grad:
-            # no-sync: gradients stay unsharded and keep accumulating (in the reduce dtype
-            # when it differs, so micro-batches add in that precision); in deterministic
-            # mode each micro-batch's gradient is a leaf of the summation tree
-            for p in with_grad:
-                if self.deterministic:
-                    p.push_grad_leaf(self.reduce_dtype)
-                elif self._accumulates_in_reduce_dtype(p):
-                    p.accumulate_unsharded_grad(self.reduce_dtype)
-            if self.reshard_after_backward:
-                self.reshard()
+            self._accumulate_without_sync()
             return None
         if self.deterministic:
             grads = [p.take_tree_grad(self.reduce_dtype) for p in with_grad]
@@ -363,6 +424,19 @@ class FSDPParamGroup:
             )
         local_flags = [g is not None for g in grads]
         return PendingReduce(self, reduction, with_grad, local_flags, divided)
+
+    def _accumulate_without_sync(self) -> None:
+        """No-sync backward: gradients stay unsharded and keep accumulating (in the reduce
+        dtype when it differs, so micro-batches add in that precision); in deterministic
+        mode each micro-batch's gradient is a leaf of the summation tree."""
+        if self.deterministic:
+            for p in self._grad_params:
+                p.push_grad_leaf(self.reduce_dtype)
+        else:
+            for p in self._widened:
+                p.accumulate_unsharded_grad(self.reduce_dtype)
+        if self.reshard_after_backward:
+            self.reshard()
 
     def finish_reduce(self, pending: PendingReduce) -> None:
         """Wait for a reduction, finish HSDP's all-reduce, divide, and install this rank's
@@ -436,10 +510,7 @@ class FSDPParamGroup:
     def reset(self) -> None:
         """Back to a clean sharded state after an exception (``reset_iter_state``): finish
         any all-gather in flight, drop unreduced and partially reduced gradients, reshard."""
-        if self._gather is not None:
-            self._gather.wait()
-            self._gather = None
-            self.state = ShardedState.UNSHARDED
+        self.wait_for_unshard()
         self._partial_reduce = None
         for p in self.params:
             p.drop_unsharded_grads()

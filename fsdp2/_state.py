@@ -26,6 +26,11 @@ gathered (and so registered) its parameters. When the recomputed code is the FSD
 own forward, the hooks see the ``PRE_BACKWARD`` state and leave the gathered parameters in
 place (gathering again only if a post-backward of an earlier use resharded them).
 
+Each ``FSDPState`` moves its ``TrainingState`` (``_lifecycle.py``) from its hooks, one
+checked method per move: IDLE -> FORWARD (pre-forward) -> IDLE (post-forward); IDLE ->
+PRE_BACKWARD (pre-backward) -> POST_BACKWARD (post-backward) -> IDLE (the final callback).
+Between a module's post-backward and the end of backward it is POST_BACKWARD.
+
 [Note: recovery] An exception inside forward or backward leaves an iteration half done. The
 post-forward hook also runs when forward raises (``always_call``) and marks the iteration
 aborted; a backward that raised leaves its final callback queued and never run. The root's
@@ -35,7 +40,6 @@ are finished, unreduced gradients dropped, every group resharded, the trackers c
 
 from __future__ import annotations
 
-import enum
 import logging
 
 import torch
@@ -44,21 +48,26 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fsdp2._comm_context import CommContext
+from fsdp2._lifecycle import FSDPStateError, ShardedState, TrainingState, check_move
 from fsdp2._param import replaced_by
 from fsdp2._param_group import FSDPParamGroup
 
 logger = logging.getLogger(__name__)
 
-
-class TrainingState(enum.Enum):
-    IDLE = "idle"
-    FORWARD = "forward"
-    PRE_BACKWARD = "pre_backward"
+_BUG = "(a bug in fsdp2's runtime: please report it with this message)"
+_IDLE, _FORWARD = TrainingState.IDLE, TrainingState.FORWARD
+_PRE_BACKWARD, _POST_BACKWARD = TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD
 
 
 class IterationContext:
     """State shared by all ``fully_shard`` modules under one root, for one iteration, and
-    the root's communication resources (``comm``)."""
+    the root's communication resources (``comm``).
+
+    Example:
+        >>> ctx = model._fsdp.ctx              # after the first forward
+        >>> ctx.root is model._fsdp, len(ctx.states)
+        (True, 3)
+    """
 
     def __init__(self, root: FSDPState, states: list[FSDPState], comm: CommContext) -> None:
         self.root = root
@@ -72,6 +81,7 @@ class IterationContext:
         self.aborted = False  # a forward raised (see [Note: recovery])
 
     def start_forward(self) -> None:
+        """A new iteration: learn the forward order of the last one (implicit prefetch)."""
         if self.pre_forward_order:
             order = self.pre_forward_order
             nxt: dict[FSDPState, FSDPState] = {}
@@ -82,15 +92,22 @@ class IterationContext:
         self.pre_forward_order = []
         self.post_forward_order = []
         for s in self.states:
-            s.post_backward_waiting = 0
+            s.start_iteration()
 
     def needs_reset(self) -> bool:
         """Whether the previous iteration was cut short by an exception."""
         return (
             self.aborted
             or self.callback_queued
-            or any(s.training_state is not TrainingState.IDLE for s in self.states)
+            or any(s.training_state is not _IDLE for s in self.states)
         )
+
+    def reset(self) -> None:
+        """Forget the iteration an exception cut short ([Note: recovery])."""
+        self.pre_forward_order = []
+        self.post_forward_order = []
+        self.callback_queued = False
+        self.aborted = False
 
     def finish_reduces(self) -> None:
         self.comm.drain_reduces()
@@ -124,35 +141,61 @@ class _PostBackward(torch.autograd.Function):
 
 
 class FSDPState:
-    """Hooks and per-module state of one ``fully_shard`` call (one or several modules)."""
+    """Hooks and per-module state of one ``fully_shard`` call (one or several modules).
+
+    Built whole by ``fully_shard``. Owns what the call was given for all its modules - the
+    modules, ``mp_policy``, ``check_freed`` - its place among the calls (``outer``, the ties
+    it leaves to an enclosing call), its ``TrainingState``, and its ``FSDPParamGroup``, which
+    it builds from ``params`` and the group's settings (None for a call with no parameters).
+    The root's lazy init gives every state below it the iteration context (``join``).
+
+    Example:
+        >>> state = model.blocks[0]._fsdp
+        >>> state.training_state, state.group.state        # between steps
+        (<TrainingState.IDLE: 'idle'>, <ShardedState.SHARDED: 'sharded'>)
+    """
 
     def __init__(
         self,
         modules: tuple[torch.nn.Module, ...],
-        group: FSDPParamGroup | None,
+        params: list,
+        *,
+        mesh_info,
+        device: torch.device,
         mp_policy,
-        reshard_after_forward: bool | int | None,
+        offload_policy,
+        reshard_after_forward: bool | None,
+        post_forward,
+        check_freed: bool = False,
+        pending_ties: list | None = None,
     ) -> None:
         self.modules = modules
-        self.group = group
         self.mp_policy = mp_policy
-        self.reshard_after_forward_arg = reshard_after_forward
-        self.check_freed = False  # the root's fully_shard(check_freed=...) decides
-        self.ctx: IterationContext | None = None
-        self.outer: FSDPState | None = None  # the enclosing fully_shard call, if any
+        self.check_freed = check_freed  # the root's CommContext: on when any call asks
         # ties to parameters of calls outside this one's subtree, for an enclosing call to
         # resolve: (owner FSDPParam, module, attribute name)
-        self.pending_ties: list = []
+        self.pending_ties: list = list(pending_ties or ())
+        self.outer: FSDPState | None = None  # the enclosing fully_shard call (nest_in)
+        self.group: FSDPParamGroup | None = None
+        if params:
+            self.group = FSDPParamGroup(
+                self, params, mesh_info, device, offload_policy, reshard_after_forward, post_forward
+            )
+        # set by the root's lazy init (join)
+        self.ctx: IterationContext | None = None
         self.is_root = False
-        self.training_state = TrainingState.IDLE
+        self.path: str | None = None  # the modules' paths under the root
+        # the training state and what it counts
+        self.training_state = _IDLE
+        self.post_backward_waiting = 0  # _PostBackward nodes of this iteration not yet run
+        self._forward_calls: list[bool] = []  # forwards in progress: whether post-forward ran
+        self._finished: set[int] = set()  # modules whose forward finished (a list call)
+        # controls (FSDPModule.set_modules_to_*_prefetch)
         self.forward_prefetch: list[FSDPState] | None = None  # None: implicit
         self.backward_prefetch: list[FSDPState] | None = None
-        self.post_backward_waiting = 0
-        self.needs_post_backward = False
-        self._depth = 0
-        self._done: set[int] = set()
-        self._post_ran = 0  # post-forward hooks that ran normally, for abort detection
-        self.handles = []
+        self.handles = self._register_hooks()
+
+    def _register_hooks(self) -> list:
         # The hooks run eagerly even inside a compiled module or a compiled training step:
         # dynamo does not trace them (they talk to process groups and keep Python state);
         # the forward between them is what torch.compile compiles. The backward entry
@@ -161,16 +204,46 @@ class FSDPState:
             _eager(h) for h in (self._pre_forward_hook, self._post_forward_hook, self._abort_hook)
         )
         self._pre_backward_eager = _eager(self._pre_backward)
-        for m in modules:
-            self.handles += [
+        handles = []
+        for m in self.modules:
+            handles += [
                 m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True),
                 m.register_forward_hook(post),
                 m.register_forward_hook(abort, always_call=True),
             ]
+        return handles
 
     def __repr__(self) -> str:
         names = ", ".join(type(m).__name__ for m in self.modules)
         return f"FSDPState({names})"
+
+    @property
+    def label(self) -> str:
+        """The call's modules, for messages: their paths under the root once the root's
+        lazy init knows them, else their classes."""
+        if self.path is not None:
+            return repr(self.path)
+        return ", ".join(module_label(m) for m in self.modules)
+
+    @property
+    def reshard_after_forward_arg(self) -> bool | None:
+        """The group's ``reshard_after_forward`` (None until the root's lazy init settles
+        it), as ``fsdp2.tools`` reads it; the group owns it."""
+        return None if self.group is None else self.group.reshard_after_forward
+
+    # ----------------------------------------------------------------------- set-up
+    def nest_in(self, outer: FSDPState) -> None:
+        """``outer`` (a later ``fully_shard`` call) contains this call's modules; the ties
+        this call left pending moved up to it ([Note: tied parameters])."""
+        self.outer = outer
+        self.pending_ties = []
+
+    def give_up(self, fp) -> None:
+        """An enclosing call takes over the tied parameter ``fp``; a group left with no
+        parameters is dropped, so the hooks run with nothing to gather, reshard or reduce."""
+        self.group.remove(fp)
+        if not self.group.params:
+            self.group = None
 
     # ----------------------------------------------------------------------- lazy init
     def lazy_init(self) -> None:
@@ -191,24 +264,31 @@ class FSDPState:
         _name_params(states, paths)
         _check_pending_ties(states, paths)
         _check_tied_leftovers(self.modules)
-        groups = [s.group for s in states if s.group is not None and s.group.params]
+        groups = [s.group for s in states if s.group is not None]
         for g in groups:
             g.follow_meta()
+            g.check_offload()
         device = groups[0].device if groups else torch.device("cpu")
         check_freed = any(s.check_freed for s in states)  # any call of this root asked
         ctx = IterationContext(self, states, CommContext(device, check_freed=check_freed))
+        pooled = _pooled_groups(groups)
         for s in states:
-            s.ctx = ctx
-            s.is_root = s is self
-            if s.group is not None:
-                arg = s.reshard_after_forward_arg
-                s.group.reshard_after_forward = (not s.is_root) if arg is None else bool(arg)
-                s.group.check_offload()
-                s.group.comm = ctx.comm
-                names = ", ".join(paths.get(id(m)) or "root" for m in s.group.modules)
-                s.group.scope = f"fsdp {names}"  # what the flight recorder calls it
-        _share_buffer_pool(groups, ctx.comm)
+            s.join(ctx, paths, pooled)
         logger.debug("fully_shard root %r manages %d groups", self, len(states))
+
+    def join(self, ctx: IterationContext, paths: dict[int, str], pooled: set[int]) -> None:
+        """Join the root's iteration context (its lazy init), attaching the group to the
+        root's ``CommContext``; ``pooled`` holds the ids of groups that pool buffers."""
+        self.ctx = ctx
+        self.is_root = ctx.root is self
+        self.path = ", ".join(paths.get(id(m)) or "root" for m in self.modules)
+        if self.group is not None:
+            self.group.lazy_init(
+                ctx.comm,
+                is_root=self.is_root,
+                scope=f"fsdp {self.path}",  # what the flight recorder calls it
+                pooled=id(self.group) in pooled,
+            )
 
     def subtree_states(self) -> list[FSDPState]:
         """Every fully_shard state at or below this call's modules, outermost first."""
@@ -222,20 +302,53 @@ class FSDPState:
             root = root.outer
         root.lazy_init()
 
+    # ----------------------------------------------------------------------- moves
+    # Each move of the training state checks where it comes from (_lifecycle.py).
+    def _move(self, allowed: tuple, target: TrainingState) -> None:
+        check_move(self.label, self.training_state, allowed, target, _BUG)
+        self.training_state = target
+
+    def _enter_forward(self) -> None:
+        """IDLE (also POST_BACKWARD, or a PRE_BACKWARD a raised backward left) -> FORWARD;
+        a nested forward of a module already in FORWARD is no move."""
+        if self.training_state is not _FORWARD:
+            self._move((_IDLE, _POST_BACKWARD, _PRE_BACKWARD), _FORWARD)
+        self._forward_calls.append(False)
+
+    def _leave_forward(self) -> None:
+        """FORWARD -> IDLE: the forward of every module of the call finished, or raised."""
+        self._move((_FORWARD,), _IDLE)
+
+    def _enter_pre_backward(self) -> None:
+        """IDLE (also FORWARD, or POST_BACKWARD for a module used again) -> PRE_BACKWARD."""
+        self._move((_IDLE, _FORWARD, _POST_BACKWARD), _PRE_BACKWARD)
+
+    def _enter_post_backward(self) -> None:
+        """PRE_BACKWARD -> POST_BACKWARD: the modules' backward is done."""
+        self._move((_PRE_BACKWARD,), _POST_BACKWARD)
+
+    def _end_backward(self) -> None:
+        """POST_BACKWARD (also IDLE, or a list call's partial FORWARD) -> IDLE: the end of
+        backward, from the root's final callback."""
+        self._move((_POST_BACKWARD, _IDLE, _FORWARD), _IDLE)
+        self._forward_calls.clear()
+        self._finished.clear()
+
+    def start_iteration(self) -> None:
+        """The root's forward starts an iteration: no post-backward is awaited yet."""
+        self.post_backward_waiting = 0
+
     # ----------------------------------------------------------------------- forward
     def _recomputing(self) -> bool:
         """Whether this forward is an activation-checkpoint recomputation: the module is in
         backward and the autograd engine is running (a ``PRE_BACKWARD`` state outside any
         backward is left over from a backward that raised, [Note: recovery])."""
-        return (
-            self.training_state is TrainingState.PRE_BACKWARD
-            and torch._C._current_graph_task_id() != -1
-        )
+        return self.training_state is _PRE_BACKWARD and torch._C._current_graph_task_id() != -1
 
     def in_compute(self) -> bool:
         """Whether the modules are inside their forward, or inside a backward the autograd
         engine is running now (a state an exception left behind does not count)."""
-        return self.training_state is TrainingState.FORWARD or self._recomputing()
+        return self.training_state is _FORWARD or self._recomputing()
 
     def _cast_inputs(self, args, kwargs):
         policy = self.mp_policy
@@ -253,47 +366,57 @@ class FSDPState:
                 self.group.wait_for_unshard()
             return self._cast_inputs(args, kwargs)
         self.lazy_init()
+        if self.is_root:
+            self._root_pre_forward()
+        self._enter_forward()
+        self.ctx.pre_forward_order.append(self)
+        if self.group is not None:
+            self.group.unshard()
+            self.group.wait_for_unshard()
+            self._prefetch(self._forward_targets(), backward=False)
+        args, kwargs = self._cast_inputs(args, kwargs)
+        if torch.is_grad_enabled() and self.group is not None and self.group.trains:
+            args, kwargs = self._attach_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _root_pre_forward(self) -> None:
+        """The root's pre-forward, before its own unshard: reset an iteration an exception
+        cut short ([Note: recovery]), and start a new iteration (a training step) at the
+        outermost forward (not at a nested one: ``generate`` calling ``forward``)."""
         ctx = self.ctx
-        if self.is_root and (ctx.aborted or (self._depth == 0 and ctx.needs_reset())):
+        if ctx.aborted or (not self._forward_calls and ctx.needs_reset()):
             logger.warning(
                 "fully_shard: the previous iteration raised inside forward or backward; "
                 "resetting FSDP's iteration state (its gradients are dropped)"
             )
             self.reset_iter_state()
-        if self.is_root and self._depth == 0:
+        if not self._forward_calls:  # the outermost forward: a new iteration starts
             ctx.start_forward()
-        self._depth += 1
-        self.training_state = TrainingState.FORWARD
-        ctx.pre_forward_order.append(self)
-        if self.group is not None:
-            self.group.unshard()
-            self.group.wait_for_unshard()
-            self.group.register_unsharded()  # also after a save swapped the shards in
-            self._prefetch(self._forward_targets(), backward=False)
-        args, kwargs = self._cast_inputs(args, kwargs)
-        if torch.is_grad_enabled() and self._has_grad_params():
-            args, kwargs = self._attach_post_backward(args, kwargs)
-        return args, kwargs
 
     def _post_forward_hook(self, module, args, output):
         if self._recomputing():  # the post-backward reshards; the output is cast as in forward
             return self._cast_output(output)
-        self._post_ran += 1
-        self._depth -= 1
-        self._done.add(id(module))
+        if self._forward_calls:
+            self._forward_calls[-1] = True  # this forward did not raise (see _abort_hook)
+        self._finished.add(id(module))
         tensors = []
         if torch.is_grad_enabled():
             flat = tree_flatten(output)[0]
             tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
-        if self._depth == 0 and len(self._done) == len(self.modules):
-            self._done.clear()
-            self.ctx.post_forward_order.append(self)
-            if self.group is not None and self.group.reshard_after_forward:
-                self.group.reshard(after_forward=True)
-            self.training_state = TrainingState.IDLE
+        if len(self._forward_calls) == 1 and len(self._finished) == len(self.modules):
+            self._finish_forward()
         if tensors:
             register_multi_grad_hook(tensors, self._pre_backward_eager, mode="any")
         return self._cast_output(output)
+
+    def _finish_forward(self) -> None:
+        """The outermost forward of every module of the call returned: reshard (unless the
+        group keeps its parameters) and leave FORWARD."""
+        self._finished.clear()
+        self.ctx.post_forward_order.append(self)
+        if self.group is not None and self.group.reshard_after_forward:
+            self.group.reshard(after_forward=True)
+        self._leave_forward()
 
     def _cast_output(self, output):
         if self.mp_policy.output_dtype is not None:
@@ -301,19 +424,17 @@ class FSDPState:
         return output
 
     def _abort_hook(self, module, args, output):
-        """Runs after every forward, also one that raised ([Note: recovery])."""
-        if self._post_ran or self._recomputing():
-            self._post_ran = max(self._post_ran - 1, 0)  # post-forward ran: nothing to do
-            return None
+        """Runs after every forward, also one that raised ([Note: recovery]): one whose
+        post-forward did not run resharded at once and marks the iteration aborted."""
+        if self._recomputing() or not self._forward_calls or self._forward_calls.pop():
+            return None  # a recomputation, no forward of ours, or its post-forward ran
         if self.group is not None:
             self.group.reshard()  # memory back at once; parameters() shows the shards
-        if self.ctx is not None and self.training_state is TrainingState.FORWARD:
+        if self.training_state is _FORWARD:
             self.ctx.aborted = True  # the root's next forward resets the iteration
-        self.training_state = TrainingState.IDLE  # out of this forward
+            self._finished.clear()
+            self._leave_forward()
         return None
-
-    def _has_grad_params(self) -> bool:
-        return self.group is not None and any(p.requires_grad for p in self.group.params)
 
     def _attach_post_backward(self, args, kwargs):
         flat, spec = tree_flatten((args, kwargs))
@@ -330,10 +451,9 @@ class FSDPState:
     def _pre_backward(self, *unused) -> None:
         ctx = self.ctx
         ctx.ensure_final_callback()
-        if self.training_state is TrainingState.PRE_BACKWARD:
+        if self.training_state is _PRE_BACKWARD:
             return
-        self.training_state = TrainingState.PRE_BACKWARD
-        self.needs_post_backward = True
+        self._enter_pre_backward()
         group = self.group
         if group is not None and group.unshard_in_backward:
             group.unshard()
@@ -346,9 +466,9 @@ class FSDPState:
             self.run_post_backward()
 
     def run_post_backward(self) -> None:
+        """The modules' backward is done: reshard and issue the gradient reduction."""
+        self._enter_post_backward()
         self.post_backward_waiting = 0
-        self.needs_post_backward = False
-        self.training_state = TrainingState.IDLE
         if self.group is not None:
             comm = self.ctx.comm
             comm.make_room_for_reduce()
@@ -364,17 +484,40 @@ class FSDPState:
             # buffers before the groups left over (the root) allocate theirs.
             ctx.comm.drain_reduces()
         for s in ctx.states:
-            if s.needs_post_backward:
-                s.run_post_backward()
-            elif s.group is not None and s.group.reshard_after_backward:
-                s.group.reshard()
-            s.training_state = TrainingState.IDLE
-            s._depth = 0
-            s._done.clear()
+            s._finish_backward()
         if ctx.is_last_backward:
             ctx.finish_reduces()
             ctx.comm.end_of_backward()
         ctx.callback_queued = False
+
+    def _finish_backward(self) -> None:
+        """Run the post-backward of a call whose inputs carried no gradient (the root),
+        reshard what a post-backward left gathered, and return to IDLE."""
+        if self.training_state is _PRE_BACKWARD:
+            self.run_post_backward()
+        elif self.group is not None and self.group.reshard_after_backward:
+            self.group.reshard()
+        self._end_backward()
+
+    # ----------------------------------------------------------------------- user requests
+    def reshard(self) -> None:
+        """``FSDPModule.reshard()``: free the gathered parameters - refused while the
+        modules compute with them (inside their forward, or their backward before the
+        post-backward), where autograd still reads them."""
+        group = self.group
+        if group is None:
+            return
+        if self.in_compute() and group.state in (ShardedState.UNSHARDED, ShardedState.UNSHARDING):
+            raise FSDPStateError(
+                self.label,
+                group.state,
+                ShardedState.SHARDED,
+                f"while in {self.training_state}: reshard() would free the parameters its "
+                "forward or backward is computing with. Call reshard() after the module's "
+                "forward returned (a forward hook registered after fully_shard runs then) "
+                "or between steps.",
+            )
+        group.reshard()
 
     # ----------------------------------------------------------------------- recovery
     def reset_iter_state(self) -> None:
@@ -390,19 +533,18 @@ class FSDPState:
             )
         ctx.comm.discard_reduces()
         for s in ctx.states:
-            if s.group is not None:
-                s.group.reset()
-            s.training_state = TrainingState.IDLE
-            s.post_backward_waiting = 0
-            s.needs_post_backward = False
-            s._depth = 0
-            s._done.clear()
-            s._post_ran = 0
+            s._reset()
         ctx.comm.end_of_backward()
-        ctx.pre_forward_order = []
-        ctx.post_forward_order = []
-        ctx.callback_queued = False
-        ctx.aborted = False
+        ctx.reset()
+
+    def _reset(self) -> None:
+        """Any training state -> IDLE, the group resharded and its gradients dropped."""
+        if self.group is not None:
+            self.group.reset()
+        self.training_state = _IDLE
+        self.post_backward_waiting = 0
+        self._forward_calls.clear()
+        self._finished.clear()
 
     # ----------------------------------------------------------------------- prefetch
     def _forward_targets(self) -> list[FSDPState]:
@@ -448,14 +590,15 @@ def _cast_floats(tree, dtype: torch.dtype):
     return tree_map(cast, tree)
 
 
-def _share_buffer_pool(groups: list[FSDPParamGroup], comm: CommContext) -> None:
-    """Pool collective buffers only for groups whose shapes another group shares (the
-    blocks of a transformer); the root's are freed after use instead of held all step."""
+def _pooled_groups(groups: list[FSDPParamGroup]) -> set[int]:
+    """The ids of the groups that pool collective buffers: those whose shapes another group
+    shares (the blocks of a transformer); the root's are freed after use instead of held
+    all step."""
+    keys = {id(g): g.buffer_key() for g in groups}
     counts: dict[tuple, int] = {}
-    for g in groups:
-        counts[g.buffer_key()] = counts.get(g.buffer_key(), 0) + 1
-    for g in groups:
-        g.pool = comm.pool if counts[g.buffer_key()] > 1 else comm.no_pool
+    for key in keys.values():
+        counts[key] = counts.get(key, 0) + 1
+    return {i for i, key in keys.items() if counts[key] > 1}
 
 
 def _module_paths(roots) -> dict[int, str]:

@@ -32,8 +32,7 @@ def add_location(module: nn.Module, attr: str, fsdp_param) -> None:
 
 def _computing(group) -> bool:
     """Whether the group's modules are inside a forward or a running backward right now."""
-    state = group.modules[0].__dict__.get("_fsdp_state") if group.modules else None
-    return state is not None and state.in_compute()
+    return group.owner.in_compute()
 
 
 def _groups_of(module: nn.Module) -> list:

@@ -32,7 +32,7 @@ from dtensor.placement import Shard, from_torch_placement
 from dtensor.tensor import is_torch_dtensor, torch_dtensor_message
 from fsdp2._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, swap_class
 from fsdp2._param import FSDPParam, MeshInfo, is_managed, replaced_by
-from fsdp2._param_group import FSDPParamGroup, PostForwardMesh
+from fsdp2._param_group import PostForwardMesh
 from fsdp2._replaced import install_optimizer_check
 from fsdp2._state import FSDPState
 from fsdp2._state_dict import add_location
@@ -78,13 +78,12 @@ def fully_shard(
         mp_policy: dtypes for compute, reduction and outputs (ours or PyTorch's).
         offload_policy: ``CPUOffloadPolicy()`` keeps sharded state in host memory.
         ignored_params: parameters left alone (not sharded, no gradient reduction).
-        check_freed: (ours, not PyTorch's; on for a whole root when any of its calls
-            asks) check mode: any torch
-            operation on an unsharded parameter while its memory is freed (a tensor kept
-            from forward, read after its module resharded) raises instead of reading freed
-            memory. A debugging aid: it costs a Python check per operation on unsharded
-            parameters. The environment variable ``FSDP2_CHECK_FREED=1`` (or ``=0``)
-            overrides it.
+        check_freed: (ours, not PyTorch's; on for a whole root when any of its calls asks)
+            check mode: any torch operation on an unsharded parameter while its memory is
+            freed (a tensor kept from forward, read after its module resharded) raises
+            instead of reading freed memory. A debugging aid: it costs a Python check per
+            operation on unsharded parameters. The environment variable
+            ``FSDP2_CHECK_FREED=1`` (or ``=0``) overrides it.
 
     Returns:
         ``module`` itself, now also an ``FSDPModule``.
@@ -102,6 +101,32 @@ def fully_shard(
         >>> opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     """
     # 1. validate: nothing is modified and no process group is created before this passes
+    call = _validate(module, mesh, reshard_after_forward, mp_policy, offload_policy, check_freed)
+    plan = _checked_plan(call, ignored_params, shard_placement_fn)
+    # 2. process groups, 3. the sharded parameters (the modules still untouched), 4. install
+    post_forward = _post_forward_mesh(call)
+    _install(call, plan, _build(plan, call), post_forward)
+    install_optimizer_check()
+    return module
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One call's arguments, validated: its modules, the mesh and how it is used, the
+    compute device, and the settings its ``FSDPState`` and group are built with."""
+
+    modules: tuple[nn.Module, ...]
+    mesh: DeviceMesh
+    info: MeshInfo
+    device: torch.device
+    reshard_after_forward: bool | int | None
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy
+    check_freed: bool
+
+
+def _validate(module, mesh, reshard_after_forward, mp_policy, offload_policy, check_freed):
+    """Step 1a: the arguments, checked and converted (PyTorch's mesh and policies)."""
     modules = _as_modules(module)
     mesh = _default_mesh() if mesh is None else as_device_mesh(mesh, api=_API)
     info = _mesh_info(mesh)
@@ -109,54 +134,61 @@ def fully_shard(
     _check_reshard_after_forward(reshard_after_forward, info)
     if not isinstance(check_freed, bool):
         raise TypeError(f"{_API}: check_freed must be a bool, got {check_freed!r}.")
-    mp_policy = as_mp_policy(mp_policy)
-    offload_policy = as_offload_policy(offload_policy)
-    plan = _checked_plan(modules, mesh, info, device, ignored_params, shard_placement_fn)
-    # 2. process groups
-    post_forward = _post_forward_mesh(reshard_after_forward, mesh, info)
-    # 3. build the sharded parameters (modules still untouched)
-    built = _build(plan, info, device, offload_policy)
-    # 4. install
-    params = _install(plan, built, modules)
-    group = None
-    if params:
-        group = FSDPParamGroup(params, info, device, mp_policy, offload_policy, post_forward)
-        group.modules = modules
-    _install_state(modules, group, plan, mp_policy, reshard_after_forward, check_freed)
-    install_optimizer_check()
-    return module
+    return _Call(
+        modules=modules,
+        mesh=mesh,
+        info=info,
+        device=device,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=as_mp_policy(mp_policy),
+        offload_policy=as_offload_policy(offload_policy),
+        check_freed=check_freed,
+    )
 
 
-def _checked_plan(modules, mesh, info, device, ignored_params, shard_placement_fn) -> _Plan:
-    """What this call will shard and take over, every parameter checked (no changes)."""
-    plan = _collect_params(modules, _ignored_ids(ignored_params))
-    _check_params(plan, device)
-    _check_tensor_parallel(plan, mesh)
+def _checked_plan(call: _Call, ignored_params, shard_placement_fn) -> _Plan:
+    """Step 1b: what this call will shard and take over, every parameter checked (no
+    changes)."""
+    plan = _collect_params(call.modules, _ignored_ids(ignored_params))
+    _check_params(plan, call.device)
+    _check_tensor_parallel(plan, call.mesh)
     plan.dims = [_shard_dim(shard_placement_fn, p, plan.names[id(p)]) for p, _ in plan.new]
-    _check_take_overs(plan, info)
+    _check_take_overs(plan, call.info)
     return plan
 
 
-def _build(plan: _Plan, info: MeshInfo, device: torch.device, offload_policy) -> dict:
-    """``{id(param): FSDPParam}``: the sharded parameters of ``plan.new``, not installed."""
-    shard_device, pin = _shard_storage(offload_policy, device)
+def _build(plan: _Plan, call: _Call) -> dict:
+    """Step 3: ``{id(param): FSDPParam}``, the sharded parameters of ``plan.new``, not
+    installed."""
+    shard_device, pin = _shard_storage(call.offload_policy, call.device)
     return {
-        id(p): FSDPParam(p, locations, info, dim, shard_device, pin_memory=pin)
+        id(p): FSDPParam(p, locations, call.info, dim, shard_device, pin_memory=pin)
         for (p, locations), dim in zip(plan.new, plan.dims, strict=True)
     }
 
 
-def _install_state(modules, group, plan: _Plan, mp_policy, reshard_after_forward, check_freed):
-    """Give the modules their ``FSDPState`` and make each an ``FSDPModule``."""
-    rab = reshard_after_forward
+def _install(call: _Call, plan: _Plan, built: dict, post_forward) -> None:
+    """Step 4: register the shards, move tied parameters in, and make each module an
+    ``FSDPModule`` with the call's ``FSDPState`` (which builds the call's group)."""
+    params = _install_params(plan, built, call.modules)
+    rab = call.reshard_after_forward
     if isinstance(rab, int) and not isinstance(rab, bool):
-        rab = rab != 1
-    state = FSDPState(modules, group, mp_policy, rab)
-    state.check_freed = check_freed
-    state.pending_ties = plan.pending
+        rab = rab != 1  # k: True (keeping the rows of post_forward), 1: False
+    state = FSDPState(
+        call.modules,
+        params,
+        mesh_info=call.info,
+        device=call.device,
+        mp_policy=call.mp_policy,
+        offload_policy=call.offload_policy,
+        reshard_after_forward=rab,
+        post_forward=post_forward,
+        check_freed=call.check_freed,
+        pending_ties=plan.pending,
+    )
     for nested in plan.nested:
-        nested.outer = state
-    for m in modules:
+        nested.nest_in(state)
+    for m in call.modules:
         m.__dict__["_fsdp_state"] = state
         swap_class(m)
 
@@ -169,9 +201,9 @@ class _Plan:
     ``order``: ``("new", param)`` or ``("take", FSDPParam)`` in registration order;
     ``new``: ``(param, locations)`` to shard; ``taken``: ``{id(FSDPParam): (it, new
     locations)}`` tied parameters moved in from inner calls; ``pending``: ties for an
-    enclosing call to resolve; ``nested``: fully_shard states directly below;
-    ``moved_up``: pending ties of nested states, now this call's (resolved or pending);
-    ``names``: ``{id(param): name}`` of ``new``; ``dims``: the shard dim of each of ``new``.
+    enclosing call to resolve; ``nested``: fully_shard states directly below (their
+    pending ties are now this call's, resolved or pending); ``names``: ``{id(param): name}``
+    of ``new``; ``dims``: the shard dim of each of ``new``.
     """
 
     order: list = field(default_factory=list)
@@ -179,7 +211,6 @@ class _Plan:
     taken: dict = field(default_factory=dict)
     pending: list = field(default_factory=list)
     nested: list = field(default_factory=list)
-    moved_up: list = field(default_factory=list)
     names: dict = field(default_factory=dict)
     dims: list = field(default_factory=list)
 
@@ -264,7 +295,6 @@ class _Walk:
                     self._take(owner, m, attr)
                 else:
                     self.plan.pending.append(tie)
-                self.plan.moved_up.append((state, tie))
 
 
 def _covers(owner: FSDPParam, subtree: set[int]) -> bool:
@@ -272,7 +302,7 @@ def _covers(owner: FSDPParam, subtree: set[int]) -> bool:
     return all(id(m) in subtree for m in owner.group.modules)
 
 
-def _install(plan: _Plan, built: dict, modules) -> list[FSDPParam]:
+def _install_params(plan: _Plan, built: dict, modules) -> list[FSDPParam]:
     """Register the shards, move tied parameters in, and return the group's parameters."""
     label = ", ".join(type(m).__name__ for m in modules)
     params = []
@@ -282,24 +312,13 @@ def _install(plan: _Plan, built: dict, modules) -> list[FSDPParam]:
             fp.claim(label)
         else:
             fp, locations = plan.taken[id(item)]
-            _take_from_group(fp)
+            fp.group.owner.give_up(fp)  # its group is dropped if this was its last
             fp.locations.extend(locations)
         fp.to_sharded()
         for m, attr in fp.locations:
             add_location(m, attr, fp)
         params.append(fp)
-    for state, tie in plan.moved_up:
-        state.pending_ties.remove(tie)
     return params
-
-
-def _take_from_group(fp: FSDPParam) -> None:
-    """Remove a tied parameter from the inner call's group; a group left with no parameters
-    is dropped, so that call's hooks run with nothing to gather, reshard or reduce."""
-    group = fp.group
-    group.params.remove(fp)
-    if not group.params:
-        group.modules[0].__dict__["_fsdp_state"].group = None
 
 
 # --------------------------------------------------------------------------------- validation
@@ -393,7 +412,10 @@ def _check_reshard_after_forward(value, info: MeshInfo) -> None:
         )
 
 
-def _post_forward_mesh(value, mesh, info: MeshInfo) -> PostForwardMesh | None:
+def _post_forward_mesh(call: _Call) -> PostForwardMesh | None:
+    """Step 2: ``reshard_after_forward=k`` (k neither 1 nor the shard size): the groups of
+    ``k`` ranks backward re-gathers within (created on every rank)."""
+    value, info, mesh = call.reshard_after_forward, call.info, call.mesh
     if value is None or isinstance(value, bool) or value in (1, info.shard_size):
         return None
     ranks = mesh.ranks_along(info.shard_mesh_dim)

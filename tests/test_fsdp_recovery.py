@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from examples.gpt import gpt_loss
 from fsdp2 import fully_shard
+from fsdp2._lifecycle import ShardedState, TrainingState
 from tests.harness import run_on_ranks
 from tests.test_fsdp_parity import (
     PER_RANK,
@@ -93,10 +94,11 @@ def _no_grad_forwards_after_an_exception():
             model(x)
         # one entry per fully_shard module per forward, not growing from one to the next
         assert len(ctx.pre_forward_order) == groups, ctx.pre_forward_order
-    assert all(s._depth == 0 for s in ctx.states)
+    assert all(s.training_state is TrainingState.IDLE for s in ctx.states)
     # the blocks resharded after each forward; the root keeps its gathered parameters
     # (reshard_after_forward=False), as after any forward
-    assert [s.group.registered_unsharded for s in ctx.states] == [True] + [False] * (groups - 1)
+    unsharded = [s.group.state is ShardedState.UNSHARDED for s in ctx.states]
+    assert unsharded == [True] + [False] * (groups - 1)
 
 
 def test_no_grad_forwards_start_clean_after_an_exception():
