@@ -156,10 +156,9 @@ def all_reduce(local, mesh, mesh_dim: int, partial: Partial, *, async_op=False) 
     nbytes = x.numel() * x.element_size()
     debug.record("all_reduce", _dim_label(mesh, mesh_dim), k, nbytes, group=group)
     with debug.annotate_failures():
-        work = dist.all_reduce(x, op=reduction.reduce_op, group=group, async_op=async_op)
-    if async_op:
-        return Pending(work, lambda: finish_fn(x))
-    return Pending.ready(finish_fn(x))
+        work = dist.all_reduce(x, op=reduction.reduce_op, group=group, async_op=True)
+    done = Pending(work, lambda: finish_fn(x))
+    return done if async_op else Pending.ready(done.wait())
 
 
 def _all_reduce_blocks_args(local: torch.Tensor, partial: Partial, k: int):
@@ -253,7 +252,7 @@ def _gather_blocks(local, group, idx: int, dim: int, sizes: list[int], ws=None) 
 
     def finish() -> torch.Tensor:
         for work in works:
-            work.wait()
+            debug.wait_collective(work, point_to_point=True)
         if dim != 0:
             torch.cat(blocks, dim=dim, out=full)
         return full
@@ -277,7 +276,7 @@ def _reduce_blocks(local, group, idx: int, dim: int, sizes: list[int], divide_by
 
     def finish() -> torch.Tensor:
         for work in works:
-            work.wait()
+            debug.wait_collective(work, point_to_point=True)
         parts = [sends[idx] if j == idx else recv[j] for j in range(len(sizes))]
         sum_into(out, parts)
         return out.div_(divide_by) if divide_by != 1 else out
@@ -323,12 +322,13 @@ def all_to_all(
     nbytes = send.numel() * send.element_size()
     debug.record("all_to_all", _dim_label(mesh, mesh_dim), k, nbytes, group=group)
     with debug.annotate_failures():
-        work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+        work = dist.all_to_all_single(recv, send, group=group, async_op=True)
 
     def finish():
         return _all_to_all_unpack(recv, k, idx, from_dim, to_dim, full_from, full_to)
 
-    return Pending(work, finish) if async_op else Pending.ready(finish())
+    done = Pending(work, finish)
+    return done if async_op else Pending.ready(done.wait())
 
 
 def _all_to_all_send(local, k: int, from_dim: int, to_dim: int, full_from: int, full_to: int):
@@ -388,7 +388,7 @@ def _all_to_all_blocks(
 
     def finish() -> torch.Tensor:
         for work in works:
-            work.wait()
+            debug.wait_collective(work, point_to_point=True)
         if not in_place:
             parts = [pieces[idx] if j == idx else r for j, r in enumerate(recv)]
             torch.cat(parts, dim=from_dim, out=out)
@@ -405,7 +405,7 @@ def broadcast(t: torch.Tensor, mesh, mesh_dim: int, src_local_rank: int) -> torc
     nbytes = t.numel() * t.element_size()
     debug.record("broadcast", _dim_label(mesh, mesh_dim), mesh.size(mesh_dim), nbytes, group=group)
     with debug.annotate_failures():
-        dist.broadcast(t, src=src, group=group)
+        debug.wait_collective(dist.broadcast(t, src=src, group=group, async_op=True))
     return t
 
 

@@ -21,13 +21,31 @@ it):
   paired them silently, same size, different meaning); different sequence numbers that have
   not moved for ``timeout`` seconds mean a rank is behind (it skipped a collective, sleeps,
   or is stuck) while the others wait;
-* either finding becomes a verdict: the ranks' published entries are read, the rank that is
-  behind or ahead and the first sequence number where descriptions differ are named, the
-  verdict is written to the store, logged, and the process ends with exit code
-  ``EXIT_CODE`` (75). Every other rank's thread sees the verdict at its next poll, logs it
-  and its own last entries, and ends the same way. A wait inside gloo cannot be interrupted
-  from Python, and a rank that paired mismatched collectives holds wrong data, so the
-  process ends with ``os._exit`` (logging handlers flushed first) rather than raising.
+* either finding becomes a verdict ([Note: a verdict is raised]): the ranks' published
+  entries are read, the rank that is behind or ahead and the first sequence number where
+  descriptions differ are named, and the verdict is written to the store (the first one
+  wins: every rank reports the same) and logged. Every other rank's thread reads it at its
+  next poll.
+
+[Note: a verdict is raised] The verdict reaches the program as an ``OutOfStepError`` (a
+``RuntimeError`` naming the rank, the group, the collective and the module), raised in the
+thread that waits on a collective: the library waits on gloo's collectives in slices of
+one poll (:func:`wait`), so a wait that would never end is interrupted, and every later wait
+raises at once until the default group is replaced. A point-to-point wait cannot be sliced
+(gloo cancels a receive whose timed wait expires): it ends when a peer that raised ends
+(the connection closes, and ``failing`` turns the error into the verdict). A program can catch it, destroy the process
+group and start again, or let it end the process. Where no thread of ours receives the
+verdict within the grace period (``DTENSOR_VERDICT_GRACE``, 60 s; ``off``: never) - the
+program is blocked where Python cannot interrupt it: a collective issued outside this
+library, NCCL's work behind a CUDA synchronization - the watchdog ends the process with
+``os._exit(EXIT_CODE)`` (75), logging handlers flushed, so that an elastic launcher
+restarts the job rather than leave it hung until the backend's own timeout.
+
+[Note: steps in the record] ``new_step`` (fsdp2's root forward calls it; a training loop may
+pass its own step number) makes the calling thread's next collectives carry the step, and
+wakes the watchdog: a rank that runs an extra forward, or skips a step the loop numbers,
+issues collectives whose descriptions differ from its peers' at the same sequence number,
+found when the next step begins rather than when the job hangs at its end.
 
 A collective that raises (a peer died, gloo's own timeout) goes through :func:`failing`: the
 error keeps its type, gains a note with the same analysis (and which peers on this host are
@@ -40,6 +58,7 @@ differ legitimately: one rank compiled, another fell back to eager).
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -49,12 +68,13 @@ import threading
 import time
 import weakref
 import zlib
-from collections import Counter, deque
+from collections import deque
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from device_mesh.switches import env_switch
+from dtensor._flight_analysis import analyse, crc_at, describe, group_label
 
 logger = logging.getLogger("dtensor.flight")
 
@@ -62,6 +82,8 @@ EXIT_CODE = 75  # sysexits' EX_TEMPFAIL: the job should be restarted (elasticall
 ENV_TIMEOUT = "DTENSOR_COLLECTIVE_TIMEOUT"
 ENV_RECORDER = "DTENSOR_FLIGHT_RECORDER"
 ENV_ENTRIES = "DTENSOR_FLIGHT_ENTRIES"
+ENV_GRACE = "DTENSOR_VERDICT_GRACE"
+DEFAULT_GRACE = 60.0
 DEFAULT_ENTRIES = 64
 _PUBLISHED = 16  # entries per group in the published state
 _PREFIX = "dtensor_flight/"
@@ -100,6 +122,7 @@ class _Config:
     enabled = env_switch(ENV_RECORDER, default=True)
     timeout: float | None = _env_float(ENV_TIMEOUT, None)  # None: the default group's
     entries = _env_entries()
+    grace: float | None = _env_float(ENV_GRACE, DEFAULT_GRACE) or None  # None: never exit
 
 
 class _Group:
@@ -125,7 +148,35 @@ _local = threading.local()  # .scope: per thread (async_save's thread has none o
 _version = 0  # bumped by every note; the publisher compares it
 _lock = threading.Lock()  # group creation and resets (not the per-note path)
 _watchdog: _Watchdog | None = None
-_ending = threading.Event()  # a verdict was reached: the watchdog is ending the process
+_verdict: dict | None = None  # the verdict of the current default group, once reached
+_delivered = threading.Event()  # a thread of the program received it as an exception
+
+
+class OutOfStepError(RuntimeError):
+    """The flight recorder's verdict: the ranks of a group fell out of step.
+
+    Raised in a thread waiting on a collective ([Note: a verdict is raised]). ``rank`` is
+    the rank out of step where the analysis can tell (None when two ranks issued different
+    collectives and nothing says which is wrong); ``group`` the process group's name;
+    ``collective`` and ``module`` what that rank issued there, and in which scope (fsdp2
+    names the module, e.g. ``"fsdp layers.3"``); ``report`` the whole verdict.
+
+    Example::
+
+        >>> try:
+        ...     train_step()
+        ... except OutOfStepError as e:
+        ...     print(e.rank, e.collective, e.module)
+        ...     dist.destroy_process_group()   # then start again, or end the process
+    """
+
+    def __init__(self, report: str, *, rank=None, group=None, collective=None, module=None):
+        super().__init__(report)
+        self.report = report
+        self.rank = rank
+        self.group = group
+        self.collective = collective
+        self.module = module
 
 
 def set_scope(scope: str | None) -> str | None:
@@ -151,6 +202,12 @@ def _resolve(group) -> _Group | None:
     return _new_group(group)
 
 
+def _clear_verdict() -> None:
+    global _verdict
+    _verdict = None
+    _delivered.clear()
+
+
 def _new_group(group) -> _Group | None:
     global _world
     with _lock:
@@ -161,6 +218,7 @@ def _new_group(group) -> _Group | None:
             _by_id.clear()
             _groups.clear()
             _world = weakref.ref(world)
+            _clear_verdict()
         try:
             name = str(group.group_name)
             ranks = tuple(dist.get_process_group_ranks(group))
@@ -185,10 +243,90 @@ def note(kind: str, label, group_size: int, nbytes: int, group) -> None:
         return
     seq = g.seq + 1
     scope = getattr(_local, "scope", None)
-    crc = zlib.crc32(f"{kind}|{label}|{group_size}|{scope}".encode(), g.crc)
+    step = _current_step()
+    text = f"{kind}|{label}|{group_size}|{scope}" if step is None else (
+        f"{kind}|{label}|{group_size}|{scope}|{step}"
+    )
+    crc = zlib.crc32(text.encode(), g.crc)
     g.seq, g.crc = seq, crc
-    g.ring.append((seq, kind, label, group_size, nbytes, scope, crc, time.time()))
+    g.ring.append((seq, kind, label, group_size, nbytes, scope, crc, time.time(), step))
     _version += 1
+
+
+def new_step(number: int | None = None) -> None:
+    """A training step begins on this thread ([Note: steps in the record]): its next
+    collectives carry the step's number. ``number`` None (fsdp2's root forward) counts
+    steps that issue a collective; a number given once makes the thread's steps the
+    caller's from then on (the automatic calls are ignored)."""
+    if number is None:
+        if getattr(_local, "numbered", False):
+            return
+        _local.pending = True
+    else:
+        _local.numbered = True
+        _local.pending = int(number)
+    w = _watchdog
+    if w is not None:
+        w.wake()
+
+
+def _current_step() -> int | None:
+    """This thread's step for the collective being noted (None: no step was begun)."""
+    pending = getattr(_local, "pending", None)
+    if pending is not None:  # the first collective of a new step
+        _local.pending = None
+        _local.step = (getattr(_local, "step", None) or 0) + 1 if pending is True else pending
+    return getattr(_local, "step", None)
+
+
+def wait(work, *, point_to_point: bool = False) -> None:
+    """Wait for a collective's ``work``; raises the verdict ([Note: a verdict is raised])
+    if there is one, or once there is one while it waits: gloo's collective work is waited
+    on in slices of one poll. A point-to-point message's wait cannot be sliced (gloo
+    cancels a receive whose timed wait expires), nor NCCL's (it does not block the CPU
+    thread): those wait whole, and fail when a peer that raised the verdict ends.
+
+    Example::
+
+        >>> wait(dist.all_reduce(t, async_op=True))
+    """
+    if _verdict is not None:
+        raise _deliver()
+    w = _watchdog
+    if point_to_point or w is None or w.slice is None or not isinstance(work, dist.Work):
+        work.wait()
+        return
+    while True:
+        try:
+            work.wait(w.slice)
+            return
+        except RuntimeError as e:
+            if _verdict is not None:
+                raise _deliver() from None
+            if "timed out" not in str(e):
+                raise
+
+
+def _deliver(verdict: dict | None = None) -> OutOfStepError:
+    """The verdict as the exception a waiting thread raises (and note that one did). The
+    first delivery gives the peers a few polls to read the verdict before this process
+    (which may host the store) goes on to end."""
+    first = not _delivered.is_set()
+    _delivered.set()
+    w = _watchdog
+    if first and w is not None:
+        try:
+            w.wait_for_peers()
+        except Exception:  # the store is gone: nobody left to wait for
+            pass
+    v = _verdict if verdict is None else verdict
+    return OutOfStepError(
+        v["report"],
+        rank=v.get("rank"),
+        group=v.get("group"),
+        collective=v.get("collective"),
+        module=v.get("module"),
+    )
 
 
 def untracked(group) -> None:
@@ -208,27 +346,7 @@ def entries(group=None) -> list[tuple]:
     return list(g.ring) if g is not None else []
 
 
-# --------------------------------------------------------------------------- descriptions
-def _bytes(n: int) -> str:
-    for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
-
-
-def describe(entry: tuple) -> str:
-    """``#42 all_gather(dp, 2 ranks, 1.2 MB, fsdp layers.3)``."""
-    seq, kind, label, size, nbytes, scope, _crc, _t = entry
-    where = f", {scope}" if scope else ""
-    dim = f"dim {label}" if isinstance(label, int) else str(label)
-    return f"#{seq} {kind}({dim}, {size} ranks, {_bytes(nbytes)}{where})"
-
-
-def _group_label(name: str, ranks) -> str:
-    shown = ",".join(map(str, ranks[:8])) + (",..." if len(ranks) > 8 else "")
-    return f"group {name} (ranks {shown})"
-
-
+# --------------------------------------------------------------------------- states
 def _snapshot() -> dict:
     """This rank's state as published: per group, (ranks, seq, crc, untracked, entries)."""
     groups = {}
@@ -265,112 +383,25 @@ def decode_state(raw: bytes) -> dict:
     return state
 
 
-def _crc_at(state_groups: dict, name: str, seq: int):
-    """The running CRC after entry ``seq`` of group ``name`` in a published state, or None."""
-    item = state_groups.get(name)
-    if item is None:
-        return None
-    if seq == 0:
-        return 0
-    for e in item[4]:
-        if e[0] == seq:
-            return e[6]
-    return None
-
-
-def analyse(name: str, states: dict[int, dict | None], *, now: float | None = None) -> str:
-    """What the members' published states of group ``name`` say: who is behind or ahead,
-    and where their descriptions first differ. ``states`` maps each member's global rank
-    to its published state (None: it never published)."""
-    now = time.time() if now is None else now
-    ranks = sorted(states)
-    label = _group_label(name, ranks)
-    silent = [r for r in ranks if states[r] is None or name not in states[r]["groups"]]
-    known = {r: states[r]["groups"][name] for r in ranks if r not in silent}
-    lines = []
-    if silent:
-        lines.append(
-            f"rank(s) {silent} published no record of {label}: they never issued a "
-            "collective on it, or died before publishing"
-        )
-    if not known:
-        return f"{label}: " + "; ".join(lines)
-    seqs = {r: item[1] for r, item in known.items()}
-
-    def last(r: int) -> str:
-        ring = known[r][4]
-        if not ring:
-            return "no collective yet"
-        e = ring[-1]
-        return f"{describe(e)} {max(0.0, now - e[7]):.1f} s ago"
-
-    counts = Counter(seqs.values())
-    if len(counts) > 1:
-        # the most common sequence number is the step the group is at; ties: the highest,
-        # since those ranks wait for the others
-        top = max(counts.values())
-        consensus = max(s for s, c in counts.items() if c == top)
-        behind = sorted(r for r, s in seqs.items() if s < consensus)
-        ahead = sorted(r for r, s in seqs.items() if s > consensus)
-        at = sorted(r for r, s in seqs.items() if s == consensus)
-        at_desc = last(at[0])
-        for r in behind:
-            lines.append(
-                f"rank {r} is behind: its last collective on {label} was {last(r)}; "
-                f"rank(s) {at} issued {at_desc}"
-            )
-        for r in ahead:
-            lines.append(f"rank {r} is ahead: it issued {last(r)}; rank(s) {at} are at {at_desc}")
-    diverge = _first_divergence(name, known)
-    if diverge is not None:
-        lines.append(diverge)
-    if not lines:
-        lines.append(f"every member of {label} is at {last(ranks[0])}; no difference found")
-    return "; ".join(lines)
-
-
-def _first_divergence(name: str, known: dict) -> str | None:
-    """The first sequence number (within the published entries) where members' running
-    CRCs differ, with each member's description there."""
-    common = min(item[1] for item in known.values())
-    ranks = sorted(known)
-    label = _group_label(name, ranks)
-    first = None
-    low = max((item[4][0][0] if item[4] else 1) for item in known.values())
-    for seq in range(max(low, 1), common + 1):
-        crcs = {r: _crc_at({name: known[r]}, name, seq) for r in ranks}
-        if None in crcs.values():
-            continue
-        if len(set(crcs.values())) > 1:
-            first = seq
-            break
-    if first is None:
-        crcs = {r: _crc_at({name: known[r]}, name, common) for r in ranks}
-        if None not in crcs.values() and len(set(crcs.values())) > 1:
-            return f"ranks diverge on {label} before #{common} (older than the entries kept)"
-        return None
-    parts = []
-    for r in ranks:
-        e = next(e for e in known[r][4] if e[0] == first)
-        parts.append(f"rank {r} {describe(e)}")
-    return f"ranks diverge at #{first} on {label}: " + ", ".join(parts)
-
-
-def _dead_peers(states: dict[int, dict | None], wait: float = 0.0) -> list[str]:
-    """Members on this host whose process is no longer running. ``wait``: look again for
-    that long (a peer whose connection just closed may still be exiting)."""
+def _dead_peers(states: dict[int, dict | None], linger: float = 0.0) -> dict[int, int]:
+    """Members on this host whose process is no longer running, as {rank: pid}. ``linger``:
+    look again for that long (a peer whose connection just closed may still be exiting)."""
     here = socket.gethostname()
     peers = {
         r: st["pid"]
         for r, st in states.items()
         if st is not None and st.get("host") == here and st["pid"] != os.getpid()
     }
-    deadline = time.monotonic() + wait
+    deadline = time.monotonic() + linger
     while True:
-        gone = sorted(r for r, pid in peers.items() if not _running(pid))
+        gone = {r: pid for r, pid in peers.items() if not _running(pid)}
         if gone or time.monotonic() >= deadline:
-            return [f"rank {r} (pid {peers[r]}) is no longer running" for r in gone]
+            return dict(sorted(gone.items()))
         time.sleep(0.05)
+
+
+def _said_dead(gone: dict[int, int]) -> list[str]:
+    return [f"rank {r} (pid {pid}) is no longer running" for r, pid in gone.items()]
 
 
 def _running(pid: int) -> bool:
@@ -405,6 +436,29 @@ def _own_entries(names) -> str:
     return "\n".join(lines)
 
 
+def _verdict_of(report: str, name: str, finding) -> dict:
+    """The verdict as published: the report and what it names, plain data."""
+    entry = finding.entry
+    return {
+        "report": report,
+        "rank": finding.rank,
+        "group": name,
+        "collective": describe(entry) if entry is not None and finding.rank is not None else None,
+        "module": entry[5] if entry is not None and finding.rank is not None else None,
+    }
+
+
+def _parse_verdict(raw: bytes) -> dict:
+    """A verdict read from the store; one that is not readable keeps its text as the report."""
+    try:
+        v = json.loads(raw)
+        if isinstance(v, dict) and isinstance(v.get("report"), str):
+            return v
+    except ValueError:
+        pass
+    return {"report": raw.decode(errors="replace")}
+
+
 # --------------------------------------------------------------------------- the watchdog
 def _ensure_watchdog() -> None:
     global _watchdog
@@ -435,9 +489,13 @@ def _default_store():
     return store
 
 
+class _Stop(Exception):
+    """A verdict was reached: this watchdog's record is over."""
+
+
 class _Watchdog(threading.Thread):
-    """Publishes this rank's state, compares it with the next members', ends the job on a
-    verdict ([Note: the flight recorder's side channel])."""
+    """Publishes this rank's state, compares it with the next members', delivers a verdict
+    ([Note: the flight recorder's side channel], [Note: a verdict is raised])."""
 
     def __init__(self) -> None:
         super().__init__(name="dtensor-flight-recorder", daemon=True)
@@ -453,25 +511,37 @@ class _Watchdog(threading.Thread):
         self.store.set_timeout(timedelta(seconds=max(2.0, min(timeout, 10.0))))
         self.timeout = timeout
         self.poll = min(1.0, max(0.05, timeout / 8))
+        # gloo's work is waited on in slices (interruptible); NCCL's wait returns at once
+        self.slice = timedelta(seconds=self.poll) if dist.get_backend() == "gloo" else None
         self.published = -1
         self.last_read: dict[int, dict] = {}  # peers' states as last read (the store may die)
         self._decoded: dict[int, tuple] = {}  # rank -> (bytes, state): one store, one pair
         self.since: dict[tuple, float] = {}  # (group, my seq, peer, its seq) -> first seen
         self._halt = threading.Event()
+        self._wake = threading.Event()
         self.publish()  # at once: peers can name this process (pid, host) even if it dies soon
 
     def stop(self) -> None:
         self._halt.set()
+        self._wake.set()
         self.name = "dtensor-flight-recorder (stopping)"  # ends within a poll
+
+    def wake(self) -> None:
+        """Publish and compare now rather than at the next poll (a step began)."""
+        self._wake.set()
 
     def run(self) -> None:
         failures = 0
-        while not self._halt.wait(self.poll):
-            if self.world() is not dist.group.WORLD:
-                return  # the default group was destroyed: this record is over
+        while not self._halt.is_set():
+            self._wake.wait(self.poll)
+            self._wake.clear()
+            if self._halt.is_set() or self.world() is not dist.group.WORLD:
+                return  # stopped, or the default group was destroyed: this record is over
             try:
                 self.step()
                 failures = 0
+            except _Stop:
+                return
             except Exception as e:  # the store went away (its host ended or died)
                 if not dist.is_initialized():
                     return
@@ -489,7 +559,7 @@ class _Watchdog(threading.Thread):
     def step(self) -> None:
         self.publish()
         if self.store.check([_VERDICT]):
-            self.end(self.store.get(_VERDICT).decode(), source="peer")
+            self.end(_parse_verdict(self.store.get(_VERDICT)))
         mine = _snapshot()["groups"]
         peers: dict[int, dict | None] = {}
         now = time.monotonic()
@@ -503,21 +573,26 @@ class _Watchdog(threading.Thread):
             st = peers[nxt]
             if st is None or name not in st["groups"]:
                 continue
-            _r, pseq, pcrc, puntracked, pring = st["groups"][name]
+            _r, pseq, _pcrc, puntracked, _pring = st["groups"][name]
             if untracked_ or puntracked:
                 continue
-            low = min(seq, pseq)
-            a = _crc_at(mine, name, low)
-            b = _crc_at(st["groups"], name, low)
-            if a is not None and b is not None and a != b:
-                self.verdict(name, ranks, "collectives differ between ranks")
+            self.compare(name, ranks, mine, st, (seq, pseq))
             if seq != pseq:
                 key = (name, seq, nxt, pseq)
                 seen.add(key)
                 first = self.since.setdefault(key, now)
                 if now - first >= self.timeout:
-                    self.verdict(name, ranks, f"no progress on the group for {now - first:.1f} s")
+                    why = f"no progress on the group for {now - first:.1f} s"
+                    self.verdict(name, ranks, why, stalled=True)
         self.since = {k: t for k, t in self.since.items() if k in seen}
+
+    def compare(self, name: str, ranks, mine: dict, peer: dict, seqs: tuple) -> None:
+        """A verdict when this rank's and the peer's running CRCs differ where both have one."""
+        low = min(seqs)
+        a = crc_at(mine, name, low)
+        b = crc_at(peer["groups"], name, low)
+        if a is not None and b is not None and a != b:
+            self.verdict(name, ranks, "collectives differ between ranks", stalled=False)
 
     def read(self, rank: int) -> dict | None:
         key = f"state/{rank}"
@@ -539,50 +614,76 @@ class _Watchdog(threading.Thread):
         self.last_read[rank] = state
         return state
 
-    def verdict(self, name: str, ranks, why: str) -> None:
+    def verdict(self, name: str, ranks, why: str, *, stalled: bool) -> None:
         self.publish()
         states = {r: self.read(r) for r in ranks}
+        gone = _dead_peers(states)
+        finding = analyse(name, states, now=time.time(), gone=frozenset(gone), stalled=stalled)
         report = (
             f"collective watchdog (timeout {self.timeout:g} s): {why} on "
-            f"{_group_label(name, list(ranks))}: {analyse(name, states)}"
+            f"{group_label(name, list(ranks))}: {finding.text}"
         )
-        dead = _dead_peers(states)
-        if dead:
-            report += "; " + "; ".join(dead)
+        if gone:
+            report += "; " + "; ".join(_said_dead(gone))
+        raw = json.dumps(_verdict_of(report, name, finding))
         try:
-            self.store.compare_set(_VERDICT, "", report)
-            report = self.store.get(_VERDICT).decode()  # the first verdict wins everywhere
+            self.store.compare_set(_VERDICT, "", raw)
+            raw = self.store.get(_VERDICT)  # the first verdict wins everywhere
         except Exception:
             pass
-        self.end(report, source="self", names=[name])
+        self.end(_parse_verdict(raw if isinstance(raw, bytes) else raw.encode()), names=[name])
 
     def wait_for_peers(self) -> None:
         """Give the other ranks a few polls to read the verdict before this process (which
-        may host the store) ends: each adds one to a counter when it has."""
+        may host the store) goes on to end: each adds one to a counter when it has."""
         deadline = time.monotonic() + 3 * self.poll + 1.0
         while time.monotonic() < deadline:
             if self.store.add(_ACKS, 0) >= self.world_size:
                 return
             time.sleep(self.poll / 4)
 
-    def end(self, report: str, *, source: str, names=None) -> None:
-        _ending.set()
+    def end(self, verdict: dict, *, names=None) -> None:
+        """Log the verdict, let the peers read it, deliver it to this process's waiting
+        threads, and apply the grace period ([Note: a verdict is raised]). Ends the record."""
+        global _verdict
         names = list(_groups) if names is None else names
-        logger.error(
-            "rank %d: %s\n%s\nending this process with exit code %d (a collective blocked "
-            "in the backend cannot be cancelled).",
-            self.rank,
-            report,
-            _own_entries(names),
-            EXIT_CODE,
-        )
-        _flush_logs()
+        _verdict = verdict  # waits raise from now on
+        logger.error("rank %d: %s\n%s", self.rank, verdict["report"], _own_entries(names))
         try:
             self.store.add(_ACKS, 1)
-            self.wait_for_peers()
-        except Exception:  # the store is gone: nobody left to wait for
+        except Exception:  # the store is gone: nobody left to tell
             pass
-        os._exit(EXIT_CODE)
+        grace = _Config.grace
+        if grace and not _delivered.wait(grace):
+            logger.error(
+                "rank %d: no thread received the verdict within %g s (the program is blocked "
+                "where it cannot be interrupted); ending this process with exit code %d.",
+                self.rank,
+                grace,
+                EXIT_CODE,
+            )
+            _flush_logs()
+            os._exit(EXIT_CODE)
+        raise _Stop
+
+
+def _exit_without_waiting() -> None:
+    """At exit, a process that received a verdict ends at once, with ``EXIT_CODE``: the
+    collective the verdict interrupted is still pending in the backend, and gloo's process
+    group would wait for its timeout (30 minutes by default) before letting the process end."""
+    world = _world() if _world is not None else None
+    if _verdict is None or not _delivered.is_set() or world is None or world is not dist.group.WORLD:
+        return
+    logger.warning(
+        "ending with exit code %d after the flight recorder's verdict, without waiting for "
+        "the collective it interrupted (the backend would wait for its timeout)",
+        EXIT_CODE,
+    )
+    _flush_logs()
+    os._exit(EXIT_CODE)
+
+
+atexit.register(_exit_without_waiting)
 
 
 def _flush_logs() -> None:
@@ -599,6 +700,21 @@ def _flush_logs() -> None:
 
 
 # --------------------------------------------------------------------------- on failure
+def _peer_states(w: _Watchdog, members) -> tuple[dict, str]:
+    """The members' states for a failure report, and where they come from."""
+    try:
+        w.publish()
+        return {r: w.read(r) for r in members}, f"as last published (every {w.poll:g} s)"
+    except Exception as e:
+        states = {r: w.last_read.get(r) for r in members}
+        states[w.rank] = _snapshot()
+        source = (
+            f"the c10d store is unreachable ({type(e).__name__}; the process hosting it, "
+            "rank 0 or the launcher, may have died), so as last read"
+        )
+        return states, source
+
+
 def failure_report(names=None) -> str:
     """The analysis of this rank's groups from the peers' published states (for a
     collective that raised). Never raises: a store that is gone is said so, and the states
@@ -608,31 +724,37 @@ def failure_report(names=None) -> str:
     if w is None:
         return "no peer states (the watchdog is off)"
     members = sorted({r for n in names for r in _groups[n].ranks if len(_groups[n].ranks) > 1})
-    states_all: dict[int, dict | None] = {}
-    source = f"as last published (every {w.poll:g} s)"
-    try:
-        w.publish()
-        for r in members:
-            states_all[r] = w.read(r)
-    except Exception as e:
-        states_all = {r: w.last_read.get(r) for r in members}
-        states_all[w.rank] = _snapshot()
-        source = (
-            f"the c10d store is unreachable ({type(e).__name__}; the process hosting it, "
-            "rank 0 or the launcher, may have died), so as last read"
-        )
-    parts = _dead_peers(states_all, wait=0.5)
+    states_all, source = _peer_states(w, members)
+    gone = _dead_peers(states_all, linger=0.5)
+    parts = _said_dead(gone)
+    now = time.time()
     for name in names:
         ranks = _groups[name].ranks
         if len(ranks) > 1:
             states = {r: states_all.get(r) for r in ranks}
-            parts.append(f"{_group_label(name, list(ranks))}, {source}: {analyse(name, states)}")
+            text = analyse(name, states, now=now, gone=frozenset(gone)).text
+            parts.append(f"{group_label(name, list(ranks))}, {source}: {text}")
     return "; ".join(parts)
+
+
+def _stored_verdict() -> dict | None:
+    """This process's verdict, or the one in the store (a peer reached it and ended before
+    this rank's watchdog read it); None when there is none or no store to ask."""
+    if _verdict is not None:
+        return _verdict
+    w = _watchdog
+    try:
+        if w is not None and w.store.check([_VERDICT]):
+            return _parse_verdict(w.store.get(_VERDICT))
+    except Exception:
+        pass
+    return None
 
 
 class failing:
     """``with failing():`` around a wait on a collective: an error from it gains a note
-    with the flight recorder's analysis (and the analysis is logged)."""
+    with the flight recorder's analysis (and the analysis is logged); when a verdict was
+    reached, the error becomes the verdict's ``OutOfStepError``."""
 
     __slots__ = ()
 
@@ -642,10 +764,11 @@ class failing:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc is None or not _Config.enabled or not isinstance(exc, RuntimeError):
             return False
-        if getattr(exc, "_flight_noted", False):
+        if getattr(exc, "_flight_noted", False) or isinstance(exc, OutOfStepError):
             return False
-        if _ending.is_set():  # the watchdog ends the process with the verdict, exit code 75
-            time.sleep(60.0)
+        verdict = _stored_verdict()
+        if verdict is not None:
+            raise _deliver(verdict) from exc
         report = failure_report()
         try:
             exc.add_note(f"flight recorder: {report} (this rank's last collectives: its log)")
@@ -664,9 +787,11 @@ class failing:
 FAILING = failing()
 
 
-def configure(*, timeout=..., enabled=None, entries=None) -> None:
+def configure(*, timeout=..., enabled=None, entries=None, grace=...) -> None:
     """Change the recorder's settings (``dtensor.debug.set_*``); the watchdog restarts."""
     global _watchdog
+    if grace is not ...:
+        _Config.grace = grace
     if enabled is not None:
         _Config.enabled = enabled
     if entries is not None and entries != _Config.entries:

@@ -85,7 +85,7 @@ class Pending:
         if self._result is None:
             with debug.annotate_failures():
                 if self._work is not None:
-                    self._work.wait()
+                    debug.wait_collective(self._work)
                     self._work = None  # it references the buffers; a pool may hand them out
                 self._result = self._finish()
             self._finish = None

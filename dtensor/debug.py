@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from dtensor import _flight
 
 FLIGHT_EXIT_CODE = _flight.EXIT_CODE
+OutOfStepError = _flight.OutOfStepError
 
 _ACTIVE: list[CommDebugMode] = []
 _LOCK = threading.Lock()
@@ -136,6 +137,41 @@ def collective_scope(name: str):
         _flight.set_scope(prev)
 
 
+def wait_collective(work, *, point_to_point: bool = False) -> None:
+    """Wait for a collective's ``work`` (from ``async_op=True``) so that the flight
+    recorder's verdict can interrupt the wait: when the ranks fall out of step, this raises
+    ``OutOfStepError`` naming the rank, the collective and the module, instead of waiting
+    for ever (gloo's collective work is waited on in slices of one watchdog poll;
+    ``point_to_point=True`` for a send's or receive's work, which waits whole, as a timed
+    wait cancels a gloo receive; docs/debugging.md).
+
+    Example::
+
+        >>> with annotate_failures():
+        ...     wait_collective(dist.all_reduce(t, group=group, async_op=True))
+    """
+    _flight.wait(work, point_to_point=point_to_point)
+
+
+def new_step(step: int | None = None) -> None:
+    """Mark the start of a training step for the flight recorder: this thread's next
+    collectives carry the step number, so a rank that runs an extra forward or skips a step
+    is named when the next step begins, not when the job hangs at its end. ``fully_shard``'s
+    root forward calls it with no number (it counts its forwards); a training loop that
+    passes its own step number (``new_step(step)``) also catches a step skipped whole, and
+    from then on its numbers are the ones recorded.
+
+    Example::
+
+        >>> for step in range(start, steps):
+        ...     new_step(step)
+        ...     loss = model(x).sum()
+    """
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise TypeError(f"new_step: step must be an int or None, got {step!r}.")
+    _flight.new_step(step)
+
+
 def annotate_failures():
     """A context manager around a wait on a collective: a ``RuntimeError`` raised inside
     (a peer died, the backend timed out) keeps its type and gains a note with the flight
@@ -150,24 +186,43 @@ def annotate_failures():
     return _flight.FAILING
 
 
-def set_collective_timeout(seconds: float | None) -> None:
+def set_collective_timeout(seconds: float | None, *, grace=...) -> None:
     """How long the ranks of a group may disagree on their last collective, with none of
     them progressing, before the flight recorder's watchdog names the rank that is out of
-    step, logs it on every rank and ends every process with exit code
-    ``FLIGHT_EXIT_CODE`` (75). ``None``: the default process group's timeout (the default);
-    ``0``: no watchdog (collectives are still recorded, and a failing collective's error
-    still carries the record). The environment variable ``DTENSOR_COLLECTIVE_TIMEOUT`` sets
-    the same (seconds, or ``off``). Call it on every rank.
+    step. The verdict is logged on every rank and raised as ``OutOfStepError`` in the
+    threads waiting on a collective (two ranks that issued different collectives are named
+    at once, without waiting for the timeout). ``None``: the default process group's
+    timeout (the default); ``0``: no watchdog (collectives are still recorded, and a failing
+    collective's error still carries the record). The environment variable
+    ``DTENSOR_COLLECTIVE_TIMEOUT`` sets the same (seconds, or ``off``).
+
+    ``grace``: how long a verdict may go unreceived - the program is blocked where Python
+    cannot interrupt it (a collective issued outside this library, a CUDA synchronization) -
+    before the watchdog ends the process with exit code ``FLIGHT_EXIT_CODE`` (75) so that
+    an elastic launcher restarts the job; ``None``: never (the program waits for the
+    backend's own timeout). Default 60 s, or ``DTENSOR_VERDICT_GRACE`` (seconds, or ``off``).
+    Call it on every rank.
 
     Example::
 
         >>> set_collective_timeout(120.0)
+        >>> set_collective_timeout(120.0, grace=None)   # never end the process from a thread
     """
     if seconds is not None and (not isinstance(seconds, (int, float)) or seconds < 0):
         raise ValueError(
             f"set_collective_timeout: expected a number of seconds >= 0 or None, got {seconds!r}."
         )
-    _flight.configure(timeout=None if seconds is None else float(seconds))
+    if grace is not ... and grace is not None and (
+        isinstance(grace, bool) or not isinstance(grace, (int, float)) or grace <= 0
+    ):
+        raise ValueError(
+            f"set_collective_timeout: grace must be a number of seconds > 0 or None (never "
+            f"end the process), got {grace!r}."
+        )
+    _flight.configure(
+        timeout=None if seconds is None else float(seconds),
+        grace=grace if grace is ... or grace is None else float(grace),
+    )
 
 
 def set_flight_recorder(enabled: bool, *, entries: int | None = None) -> None:

@@ -434,7 +434,7 @@ class _Exchange:
     def wait(self) -> None:
         with debug.annotate_failures():
             for work in self._works:
-                work.wait()
+                debug.wait_collective(work, point_to_point=True)
         self._works = self._keep = []
 
 

@@ -47,6 +47,7 @@ from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map
 
+from dtensor import debug
 from fsdp2._comm_context import CommContext
 from fsdp2._lifecycle import FSDPStateError, ShardedState, TrainingState, check_move
 from fsdp2._param import replaced_by
@@ -392,6 +393,8 @@ class FSDPState:
             self.reset_iter_state()
         if not self._forward_calls:  # the outermost forward: a new iteration starts
             ctx.start_forward()
+            if not torch.compiler.is_compiling():
+                debug.new_step()  # the flight recorder numbers steps (docs/debugging.md)
 
     def _post_forward_hook(self, module, args, output):
         if self._recomputing():  # the post-backward reshards; the output is cast as in forward

@@ -16,7 +16,16 @@ logs to ``outdir/rank{r}.log``; the faulty rank writes the wall time of its faul
 * ``kill_in_save``: SIGKILL inside the second ``dtensor.checkpoint.save`` to ``outdir/ckpt``,
   after writing its shard (the first, whose values rank 0 wrote to ``expected-1.pt``, must
   stay loadable there);
+* ``extra_forward``: runs one more forward (no backward) at step 2;
+* ``skip_step``: skips step 2 whole (the loop numbers its steps with ``debug.new_step``);
+* ``blocked``: sleeps 30 s at step 2 while rank 0 waits in a (recorded) synchronous
+  ``dist.all_reduce`` that Python cannot interrupt; the verdict's grace is 1 s;
 * ``none``: no fault (the job must finish, exit 0).
+
+A rank that receives the flight recorder's verdict catches it (``debug.OutOfStepError``), as
+a recovery handler would: it writes what the error names to ``outdir/verdict-{r}.json`` and
+exits with ``debug.FLIGHT_EXIT_CODE`` (75, restart the job).
+Each rank writes the last step it completed to ``outdir/done-{r}``.
 
 ``FAULTS_DEVICE=cuda`` in the environment runs the job on NCCL, one GPU per rank (the GPU
 check, ``benchmarks/gpu_check.py``); the default is gloo on the CPU.
@@ -41,9 +50,13 @@ FAULTS = (
     "raise_backward",
     "raise_in_collective",
     "kill_in_save",
+    "extra_forward",
+    "skip_step",
+    "blocked",
     "none",
 )
 STEPS = 4
+STEPS_FOR = {"skip_step": 6}  # room to show that it is caught at once, not at the end
 FAULT_STEP = 2
 
 
@@ -99,10 +112,23 @@ def worker(rank: int, world: int, port: int, fault: str, outdir: str, timeout: f
     debug.set_collective_timeout(timeout)
     try:
         _train(rank, world, fault, outdir, timeout)
+    except debug.OutOfStepError as e:  # what a recovery handler does: record, clean up, end
+        logging.getLogger("tests._faults").error("rank %d: caught OutOfStepError: %s", rank, e)
+        _write_verdict(e, os.path.join(outdir, f"verdict-{rank}.json"))
+        logging.shutdown()
+        sys.exit(debug.FLIGHT_EXIT_CODE)
     except BaseException:
         logging.getLogger("tests._faults").exception("rank %d: the step raised", rank)
         raise
     dist.destroy_process_group()
+
+
+def _write_verdict(e, path: str) -> None:
+    import json
+
+    fields = {k: getattr(e, k) for k in ("rank", "group", "collective", "module", "report")}
+    with open(path, "w") as f:
+        json.dump(fields, f)
 
 
 def _train(rank: int, world: int, fault: str, outdir: str, timeout: float) -> None:
@@ -110,7 +136,7 @@ def _train(rank: int, world: int, fault: str, outdir: str, timeout: float) -> No
 
     import fsdp2._collectives as C
     from device_mesh import init_device_mesh
-    from dtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    from dtensor import DTensor, Partial, Replicate, Shard, debug, distribute_tensor
     from dtensor import checkpoint as dcp
     from fsdp2 import fully_shard
 
@@ -123,8 +149,16 @@ def _train(rank: int, world: int, fault: str, outdir: str, timeout: float) -> No
     fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank)).to(device)
-    for step in range(1, STEPS + 1):
+    for step in range(1, STEPS_FOR.get(fault, STEPS) + 1):
         armed = faulty and step == FAULT_STEP
+        if fault == "skip_step":
+            if step == FAULT_STEP:  # every rank computes a while per block, as above
+                for block in model.blocks:
+                    block.register_forward_pre_hook(lambda m, a: time.sleep(timeout / 4))
+            if armed:
+                _mark_fault(outdir)
+                continue
+            debug.new_step(step)
         if step == FAULT_STEP and fault == "skip_all_gather":
             # every rank computes a while per block (a real step's pace, slower than the
             # watchdog's poll); gloo aborts a rank outright once mismatched sizes meet
@@ -141,10 +175,17 @@ def _train(rank: int, world: int, fault: str, outdir: str, timeout: float) -> No
         if armed and fault == "sleep":
             _mark_fault(outdir)
             time.sleep(3 * timeout)
+        if step == FAULT_STEP and fault == "blocked":
+            _block(faulty, outdir, timeout)
+        if armed and fault == "extra_forward":
+            _mark_fault(outdir)
+            model(x)
         loss = model(x).square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
+        with open(os.path.join(outdir, f"done-{rank}"), "w") as f:
+            f.write(str(step))
         if step == FAULT_STEP:  # a DTensor collective outside FSDP
             t = distribute_tensor(torch.arange(8.0 * world, device=device), mesh, [Shard(0)])
             if faulty and fault == "other_collective":  # an all-reduce of the same bytes
@@ -161,6 +202,23 @@ def _train(rank: int, world: int, fault: str, outdir: str, timeout: float) -> No
             full = {k: v.full_tensor() for k, v in sd["model"].items()}
             if rank == 0:
                 torch.save(full, os.path.join(outdir, f"expected-{step}.pt"))
+
+
+def _block(faulty: bool, outdir: str, timeout: float) -> None:
+    """Rank 1 sleeps; the others wait for it where no verdict can reach them."""
+    import torch
+    import torch.distributed as dist
+
+    from dtensor import debug
+
+    debug.set_collective_timeout(timeout, grace=1.0)
+    if faulty:
+        _mark_fault(outdir)
+        time.sleep(30.0)
+        return
+    t = torch.ones(4, device=_device())
+    debug.note_collective("all_reduce", None, t.numel() * t.element_size())
+    dist.all_reduce(t)  # synchronous: the wait is inside the backend
 
 
 def _die(fault: str, outdir: str):

@@ -15,6 +15,7 @@ rank, a killed rank and a kill inside ``dtensor.checkpoint.save``.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -105,6 +106,8 @@ OUT_OF_STEP = {
         {EXIT},
     ),
     "sleep": (["rank 1 is behind: its last collective on group", "rank(s) [0] issued #"], {EXIT}),
+    # the loop numbers its steps: rank 1's step 3 met rank 0's step 2 (same sizes)
+    "skip_step": (["ranks diverge at #", "step 2)", "step 3)"], {EXIT}),
 }
 DEATHS = {
     "kill": -signal.SIGKILL,
@@ -114,7 +117,7 @@ DEATHS = {
     "raise_in_collective": 1,
     "kill_in_save": -signal.SIGKILL,
 }
-FAST = {"skip_all_gather", "other_collective", "sleep", "kill", "kill_in_save"}
+FAST = {"skip_all_gather", "other_collective", "sleep", "skip_step", "kill", "kill_in_save"}
 
 
 # the rest of the matrix: opt-in (FAULTS_FULL=1), as the slow marker does not deselect
@@ -133,12 +136,24 @@ def test_out_of_step_rank_is_named(fault, tmp_path, record_property):
     codes, detect, logs = _run_job(fault, tmp_path)
     _record(record_property, detect)
     expected, allowed = OUT_OF_STEP[fault]
-    # every rank ends, with the watchdog's exit code, having logged the verdict
+    # every rank caught the verdict as an exception (its handler exits with the watchdog's
+    # exit code), having logged it
     assert all(c in allowed for c in codes), (codes, logs)
     for r in (0, 1):
         missing = [e for e in expected if e not in logs[r]]
         assert not missing, f"rank {r} did not log {missing}:\n{logs[r][-3000:]}"
-        assert f"ending this process with exit code {EXIT}" in logs[r]
+        assert "caught OutOfStepError" in logs[r], logs[r][-3000:]
+        assert "ending this process" not in logs[r]  # raised, not ended by a thread
+    verdicts = [json.loads((tmp_path / f"verdict-{r}.json").read_text()) for r in (0, 1)]
+    assert verdicts[0] == verdicts[1]  # the first verdict wins everywhere
+    if fault == "sleep":  # the rank out of step, its collective and module are named
+        assert verdicts[0]["rank"] == 1, verdicts[0]
+        assert verdicts[0]["collective"].startswith("#"), verdicts[0]
+        # its last collective was step 1's checkpoint exchange, which runs in no module
+        assert (verdicts[0]["module"] or "") in verdicts[0]["collective"], verdicts[0]
+    if fault == "skip_step":  # caught when the next step began, not when the job ran out
+        done = {r: int((tmp_path / f"done-{r}").read_text()) for r in (0, 1)}
+        assert done[0] <= _faults.FAULT_STEP + 1, done
 
 
 @pytest.mark.parametrize(
@@ -156,6 +171,31 @@ def test_rank_death_ends_the_job(fault, tmp_path, record_property):
         assert "rank 1 (pid " in logs[0] and "is no longer running" in logs[0], logs[0][-3000:]
     if fault == "kill_in_save":
         _check_last_checkpoint(tmp_path)
+
+
+def test_a_rank_that_ran_ahead_is_not_called_behind(tmp_path, record_property):
+    """Rank 1 runs an extra forward: its all-gathers meet rank 0's backward, gloo aborts it
+    at the first size mismatch (within a second, often before it publishes again), and
+    rank 0's report is built from a state up to a poll old. It must say what was seen and
+    when, and that rank 1 is gone - not that the rank which ran ahead is "behind"."""
+    codes, detect, logs = _run_job("extra_forward", tmp_path)
+    _record(record_property, detect)
+    assert all(c not in (0, None) for c in codes), (codes, logs)
+    assert "rank 1 is behind" not in logs[0], logs[0][-3000:]
+    if "caught OutOfStepError" not in logs[0]:  # gloo aborted rank 1 before a verdict
+        assert "rank 1 is no longer running; it was last seen " in logs[0], logs[0][-3000:]
+        assert "state published " in logs[0], logs[0][-3000:]
+
+
+def test_a_verdict_no_thread_receives_ends_the_process_after_the_grace(tmp_path):
+    """Where the program waits inside the backend (a synchronous collective of its own) or
+    sleeps, no wait of ours can raise the verdict: after the grace period (1 s here) the
+    watchdog ends the process with the exit code that asks a launcher to restart."""
+    codes, _detect, logs = _run_job("blocked", tmp_path)
+    assert codes == [EXIT, EXIT], (codes, logs)
+    for r in (0, 1):
+        assert "no thread received the verdict within 1 s" in logs[r], logs[r][-3000:]
+        assert "rank 1 is behind" in logs[r], logs[r][-3000:]
 
 
 def _check_last_checkpoint(outdir: Path) -> None:
@@ -235,21 +275,50 @@ def test_analysis_names_the_rank_behind_and_where_ranks_diverge():
 
     step = [("all_gather", "fsdp a"), ("all_gather", "fsdp b"), ("reduce_scatter", "fsdp b")]
     states = {0: _state(step), 1: _state(step[:2]), 2: _state(step)}
-    text = _flight.analyse("7", states, now=110.0)
+    text = _flight.analyse("7", states, now=110.0, stalled=True).text
     assert "rank 1 is behind: its last collective on group 7 (ranks 0,1,2) was #2 " in text
     assert "all_gather(dp, 3 ranks, 1.0 KB, fsdp b)" in text
     assert "rank(s) [0, 2] issued #3 reduce_scatter(dp, 3 ranks, 1.0 KB, fsdp b)" in text
     assert "diverge" not in text
 
     skipped = [step[1], step[2]]  # rank 2 skipped the all-gather of a: same op, other module
-    text = _flight.analyse("7", {0: _state(step[:2]), 1: _state(step[:2]), 2: _state(skipped)})
+    finding = _flight.analyse(
+        "7", {0: _state(step[:2]), 1: _state(step[:2]), 2: _state(skipped)}, now=110.0
+    )
+    text = finding.text
+    assert finding.rank == 2 and finding.entry[5] == "fsdp b"  # the one alone is named
     assert "ranks diverge at #1 on group 7" in text
     assert "rank 0 #1 all_gather(dp, 3 ranks, 1.0 KB, fsdp a)" in text
     assert "rank 2 #1 all_gather(dp, 3 ranks, 1.0 KB, fsdp b)" in text
     assert "behind" not in text
 
-    text = _flight.analyse("7", {0: _state(step), 1: None, 2: _state(step)})
+    text = _flight.analyse("7", {0: _state(step), 1: None, 2: _state(step)}, now=110.0).text
     assert "rank(s) [1] published no record of group 7" in text
+
+
+def test_analysis_says_only_what_is_known():
+    """A state is what a rank published, when it did: a rank that died (gloo aborts a rank
+    whose collective met one of another size) or a group that has not stalled yet is
+    reported as last seen, with the age of what was seen - never "behind" from an old state
+    (issue 39: the survivor called the rank that ran ahead "behind")."""
+    from dtensor import _flight
+
+    step = [("all_gather", "fsdp a"), ("all_gather", "fsdp b"), ("reduce_scatter", "fsdp b")]
+    states = {0: _state(step), 1: _state(step[:2]), 2: _state(step)}
+    for r, t in ((0, 109.0), (1, 104.5), (2, 109.0)):
+        states[r]["t"] = t
+    gone = _flight.analyse("7", states, now=110.0, gone=frozenset({1}), stalled=True)
+    assert "behind" not in gone.text and "ahead" not in gone.text, gone.text
+    assert "rank 1 is no longer running; it was last seen at #2 all_gather(" in gone.text
+    assert "(state published 5.5 s ago)" in gone.text, gone.text
+    moving = _flight.analyse("7", states, now=110.0).text  # not stalled: states may be old
+    assert "behind" not in moving and "rank 1 was last seen at #2 " in moving, moving
+    early = {0: _state(step), 1: _state([]), 2: _state(step)}  # published before collectives
+    early[1]["t"] = 100.0
+    text = _flight.analyse("7", early, now=110.0, gone=frozenset({1})).text
+    assert "no collective yet" not in text
+    assert "rank 1 is no longer running; it was last seen before its first collective on group 7 " in text
+    assert "(state published 10.0 s ago)" in text, text
 
 
 class _DictStore:
