@@ -8,5 +8,12 @@ Example:
 
 from device_mesh._interop import as_device_mesh
 from device_mesh.mesh import DeviceMesh, concatenate_meshes, init_device_mesh
+from device_mesh.resources import MeshResources
 
-__all__ = ["DeviceMesh", "init_device_mesh", "as_device_mesh", "concatenate_meshes"]
+__all__ = [
+    "DeviceMesh",
+    "init_device_mesh",
+    "as_device_mesh",
+    "concatenate_meshes",
+    "MeshResources",
+]

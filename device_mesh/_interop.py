@@ -105,6 +105,8 @@ def _convert(torch_mesh, *, family_root: DeviceMesh | None) -> DeviceMesh:
     )
     mesh._torch_source = torch_mesh
     mesh._family_root = mesh if family_root is None else family_root
+    # DeviceMesh._concatenate of family members calls this: mesh.py does not import us
+    mesh._family_concatenate = concatenate
     return mesh
 
 

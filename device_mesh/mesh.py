@@ -13,6 +13,7 @@ cache in ``device_mesh.groups``; slicing a mesh by name reuses those groups and 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from device_mesh import groups as _groups
+from device_mesh.resources import MeshResources
 
 logger = logging.getLogger(__name__)
 
@@ -484,7 +486,9 @@ class DeviceMesh:
         mesh a 2-D FSDP + tensor-parallel parameter lives on). No process group is created.
 
         Meshes converted from PyTorch's that share a PyTorch root concatenate as PyTorch's
-        do, in any order ([Note: converted mesh families] in ``_interop.py``).
+        do, in any order ([Note: converted mesh families] in ``_interop.py``): the conversion
+        leaves that concatenation on the root it makes (``_family_concatenate``), so this
+        module, which ``_interop`` builds on, needs no import of it.
 
         Raises:
             ValueError: a mesh has no dim names, the meshes come from different roots, or
@@ -497,10 +501,10 @@ class DeviceMesh:
         """
         api = "DeviceMesh._concatenate"
         roots = [m._get_root_mesh() for m in meshes]
-        if any("_torch_source" in r.__dict__ for r in roots):
-            from device_mesh import _interop  # [Note: converted mesh families]
-
-            return _interop.concatenate(meshes)
+        joins = [r.__dict__.get("_family_concatenate") for r in roots]
+        join = next((j for j in joins if j is not None), None)
+        if join is not None:  # a converted family's ([Note: converted mesh families])
+            return join(meshes)
         if any(r != roots[0] for r in roots[1:]):
             listing = ", ".join(repr(m) for m in meshes)
             raise ValueError(
@@ -529,24 +533,27 @@ class DeviceMesh:
             return self._origin[1]._get_root_mesh()
         return self._root.__dict__.get("_family_root", self._root)
 
-    def _resources(self) -> dict:
-        """Runtime resources that the layers above keep with this mesh, one dict per root
-        (slices and flattened meshes share their root's): dtensor's collective workspaces,
-        keyed by process-group name (never the group itself: [Note: weak group
-        references]). A copy is the mesh itself, and a pickle is a description, so neither
-        carries them.
+    @functools.cached_property
+    def resources(self) -> MeshResources:
+        """The runtime state that the layers above keep with this mesh, one
+        ``MeshResources`` per root: slices and flattened meshes share their root's ([Note:
+        mesh resources] in ``device_mesh/resources.py``). dtensor keeps its dispatch caches
+        and collective workspaces here. A copy is the mesh itself, and a pickle is a
+        description, so neither carries them.
 
         Example:
-            >>> mesh["tp"]._resources() is mesh._resources()
+            >>> mesh["tp"].resources is mesh.resources
             True
+            >>> class Seen(set): ...               # a class of the layer above
+            >>> mesh.resources.get(Seen).add("step 1")
         """
-        found = self.__dict__.get("_layer_resources")
-        if found is None:  # first call on this mesh object: find its root's (once: dtensor's
-            root = self._get_root_mesh()  # op dispatch asks on every op)
-            # setdefault: one dict per root even when two threads ask first at once
-            found = root.__dict__.setdefault("_layer_resources", {})
-            self._layer_resources = found
-        return found
+        # Looked up on this mesh object once (dtensor's op dispatch asks on every op); after
+        # that the answer is in the object's __dict__, read as a plain attribute.
+        root = self._get_root_mesh()
+        if root is not self:
+            return root.resources
+        # setdefault: one per root even when two threads ask first at once
+        return self.__dict__.setdefault("resources", MeshResources())
 
     # ----------------------------------------------------------------------------- copies
     def __copy__(self) -> DeviceMesh:

@@ -25,10 +25,10 @@ from dtensor.comm import (
     backend_is_gloo,
     combine_rows,
     exchange,
-    message_tags,
     reduce_rows,
     reduces_rows_by_all_to_all,
     reduction_of,
+    reserve_message_tags,
     sum_into,
 )
 from dtensor.comm import mesh_dim_label as _dim_label
@@ -211,8 +211,8 @@ def _stack_blocks(local: torch.Tensor, tensor_dim: int, sizes: list[int], pad: i
 # repeated rows, and the long-lived result is allocated before the buffers that die with the
 # call (so freeing them leaves no hole under it; activations go through here every step).
 # The reduction adds the ranks' blocks in rank order, as ``combine_rows`` does. The messages
-# carry the tags of ``dtensor.comm``'s "dtensor.redistribute" range ([Note: message tags]).
-_TAGS = message_tags("dtensor.redistribute")
+# carry the tags of the "dtensor.redistribute" range reserved here ([Note: message tags]).
+_TAGS = reserve_message_tags("dtensor.redistribute", 1)  # one block per peer
 
 
 def _exchange(group, idx: int, k: int, send_to, recv_from) -> list:

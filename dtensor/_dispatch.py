@@ -11,6 +11,9 @@
 4. Ask the rule for output placements and any input redistribution. Steps 3-4 are cached on
    the input specs and the non-tensor arguments.
 5. Redistribute inputs, run the op (or the rule's ``local_fn``) on local tensors, wrap.
+
+What dispatch needs to know about an op is read once, into its ``_OpFacts``; a call seen
+before skips the pipeline ([Note: the dispatch fast path]).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from dtensor.tensor import (
     _new_dtensor,
     is_torch_dtensor,
     redistribute_dtensor,
+    set_dispatch,
     torch_dtensor_message,
 )
 
@@ -50,34 +54,30 @@ aten = torch.ops.aten
 # decisions and the fast path's call signatures) hold DTensorSpecs, and a spec holds its mesh,
 # which holds its process groups. Kept in module-level dicts they kept every mesh ever used
 # alive, with its groups, until 8,192 entries filled them. So each root mesh keeps its own
-# caches, in the resources its layers keep with it (``DeviceMesh._resources``, shared by its
-# slices): an entry goes when its mesh does, as the rest of the mesh's runtime state. An op
-# across mesh objects of several roots is keyed by those objects as well and lives with the
-# first one's root, holding the others until it goes.
+# caches, in the resources the layers above keep with it (``mesh.resources``, shared by its
+# slices: [Note: mesh resources] in ``device_mesh/resources.py``): an entry goes when its
+# mesh does, as the rest of the mesh's runtime state. An op across mesh objects of several
+# roots is keyed by those objects as well and lives with the first one's root, holding the
+# others until it goes.
 _LIMIT = 8192  # entries per cache of one root mesh; a full cache starts again empty
-_CACHES_KEY = "dtensor.dispatch"
+_ALL_CACHES: weakref.WeakSet = weakref.WeakSet()  # every mesh's, for clear_cache
 
 
 class _MeshCaches:
-    """One root mesh's dispatch caches."""
+    """One root mesh's dispatch caches, both keyed by ``_call_key`` ([Note: one cache key]);
+    made by ``mesh.resources.get(_MeshCaches)`` on the mesh's first op."""
 
     __slots__ = ("rules", "fast", "__weakref__")
 
     def __init__(self) -> None:
-        self.rules: dict = {}  # pipeline cache key -> (OutputSharding, output metas)
-        self.fast: dict = {}  # call signature -> _Hit ([Note: the dispatch fast path])
-
-
-_ALL_CACHES: weakref.WeakSet = weakref.WeakSet()  # every mesh's, for clear_cache
+        self.rules: dict = {}  # call key -> (OutputSharding, output metas)
+        self.fast: dict = {}  # call key -> _Hit ([Note: the dispatch fast path])
+        _ALL_CACHES.add(self)
 
 
 def _caches_of(mesh) -> _MeshCaches:
-    resources = mesh._resources()
-    caches = resources.get(_CACHES_KEY)
-    if caches is None:
-        caches = resources[_CACHES_KEY] = _MeshCaches()
-        _ALL_CACHES.add(caches)
-    return caches
+    """``mesh``'s dispatch caches (its root's)."""
+    return mesh.resources.get(_MeshCaches)
 
 
 def _put(cache: dict, key, value) -> None:
@@ -114,45 +114,57 @@ def custom(*ops):
 
 
 def dispatch(func, args, kwargs):
+    """Run aten op ``func`` on DTensor arguments (``DTensor.__torch_dispatch__`` calls this).
+
+    Example:
+        >>> dispatch(torch.ops.aten.add.Tensor, (dt, dt), {})   # what dt + dt runs
+    """
     facts = _FACTS.get(id(func))
     if facts is None:
-        facts = _op_facts(func)
+        facts = _facts_of(func)
     if facts.custom is not None:
         return facts.custom(func, args, kwargs)
-    if facts.fast:
-        key, mesh = _fast_key(func, args, kwargs)
-        if key is not None:
-            try:
-                hit = _caches_of(mesh).fast.get(key)
-            except TypeError:  # an unhashable argument (a symbolic size under tracing)
-                hit = None
-            if hit is not None:
-                return _run_hit(hit, args, kwargs)
-    return dispatch_by_rule(func, args, kwargs)
+    if not facts.fast:
+        return dispatch_by_rule(func, args, kwargs)
+    signature = _call_key(func, args, kwargs, facts.value_free)
+    key, mesh = signature
+    if key is not None:
+        try:
+            hit = mesh.resources.get(_MeshCaches).fast.get(key)
+        except TypeError:  # an unhashable argument (a symbolic size under tracing)
+            hit, signature = None, _NO_KEY
+        if hit is not None:
+            return _run_hit(hit, args, kwargs)
+    return dispatch_by_rule(func, args, kwargs, signature)
 
 
-def dispatch_by_rule(func, args, kwargs):
+def dispatch_by_rule(func, args, kwargs, signature=None):
     """The pipeline without the custom handlers: what a handler calls for inputs it leaves to
-    the ordinary rules."""
-    view = _inplace.out_of_place_view(func)
-    if view is not None:
+    the ordinary rules. ``signature``: the call's ``_call_key``, if the caller has it.
+
+    Example:
+        >>> dispatch_by_rule(torch.ops.aten.add.Tensor, (dt, dt), {})
+    """
+    facts = _facts_of(func)
+    if facts.reshapes:
+        view = facts.reshape or _inplace.out_of_place_view(func)  # raises: not supported
         return _inplace.change_shape_in_place(func, view, args, kwargs)
     leaves, treespec = _flatten(args, kwargs)
     _check_inputs(func, leaves)
     if any(isinstance(x, DTensor) and x._spec.has_strided for x in leaves):
         leaves = _unstride_unless_kept(func, leaves, treespec)
-    if not is_multi_tensor(func):
+    if not facts.multi:
         leaves = _replicate_scalars(func, leaves)
-    key = _cache_key(func, leaves, treespec)
-    meshes = [x._spec.mesh for x in leaves if isinstance(x, DTensor)]
-    mesh = meshes[0] if meshes else None
-    if key is not None and any(m is not mesh for m in meshes):
-        # equal meshes of other roots (fsdp2's per-module meshes under one foreach, say): the
-        # rule's outputs may name those mesh objects, so the entry is theirs alone (the ids
-        # stay theirs while the key's specs hold them)
-        key = (*key, tuple(map(id, meshes)))
-    rules = _caches_of(mesh).rules if key is not None and mesh is not None else None
-    cached = rules.get(key) if rules is not None else None
+    if signature is None:
+        signature = _call_key(func, args, kwargs, facts.value_free)
+    key, mesh = signature
+    rules = cached = None
+    if key is not None:
+        rules = mesh.resources.get(_MeshCaches).rules
+        try:
+            cached = rules.get(key)
+        except TypeError:  # unhashable (a symbolic size under tracing): no entry
+            key = rules = None
     if cached is None:
         if find_rule(func) is None:
             return _run_without_rule(func, leaves, treespec)
@@ -161,8 +173,8 @@ def dispatch_by_rule(func, args, kwargs):
             _put(rules, key, cached)
     sharding, out_meta = cached
     out = _run(func, args, leaves, treespec, sharding, out_meta)
-    if key is not None:
-        _remember_hit(func, args, kwargs, leaves, sharding, out)
+    if key is not None and facts.fast:
+        _remember_hit(facts, key, mesh, args, kwargs, leaves, sharding, out)
     return out
 
 
@@ -197,7 +209,8 @@ def _replicate_scalars(func, leaves: list) -> list:
     lose the result."""
     mesh = None
     out = leaves
-    any_size = func in _inplace.INDEX_OPS
+    facts = _facts_of(func)
+    any_size = facts.index
     for i, x in enumerate(leaves):
         if (
             isinstance(x, torch.Tensor)
@@ -209,7 +222,7 @@ def _replicate_scalars(func, leaves: list) -> list:
                 if mesh is None:
                     return leaves
                 out = list(leaves)
-            if i == 0 and _is_inplace(func):
+            if i == 0 and facts.inplace:
                 raise ValueError(
                     f"{func}: the in-place target is a plain torch.Tensor of shape "
                     f"{tuple(x.shape)} and the other operands are DTensors. Make the target "
@@ -280,7 +293,8 @@ def _propagate(func, leaves, treespec):
 
 
 def _run(func, args, leaves, treespec, sharding: OutputSharding, out_meta):
-    inplace = _is_inplace(func)
+    facts = _facts_of(func)
+    inplace = facts.inplace
     local_leaves = []
     for i, x in enumerate(leaves):
         if isinstance(x, DTensor):
@@ -310,9 +324,9 @@ def _run(func, args, leaves, treespec, sharding: OutputSharding, out_meta):
         target = args[0]
         if getattr(target, "_view_of", None) is not None:
             _inplace.write_back(target)
-        return target if func._schema.returns else None
+        return target if facts.returns else None
     wrapped = _wrap(out, sharding, out_meta, leaves)
-    if isinstance(leaves[0], DTensor) and _inplace.is_view_op(func):
+    if isinstance(leaves[0], DTensor) and facts.view:
         outs = list(wrapped) if isinstance(wrapped, (list, tuple)) else [wrapped]
         _inplace.record_view(func, args, lambda: _unflatten(leaves, treespec)[1], leaves[0], outs)
     return wrapped
@@ -351,20 +365,10 @@ def _meta_outputs(func, leaves, treespec) -> list:
         # allocate a real tensor of the *global* shape here, and the cache would keep it.
         mkwargs = {**mkwargs, "device": torch.device("meta")}
     out = func(*margs, **mkwargs)
-    if _is_inplace(func):
+    if _facts_of(func).inplace:
         return []
     flat, _ = tree_flatten(out)
     return [to_meta(m) if isinstance(m, torch.Tensor) else None for m in flat]
-
-
-_INPLACE: dict = {}
-
-
-def _is_inplace(func) -> bool:
-    inplace = _INPLACE.get(func)
-    if inplace is None:
-        inplace = _INPLACE[func] = _writes_first_argument(func)
-    return inplace
 
 
 def _writes_first_argument(func) -> bool:
@@ -377,7 +381,8 @@ def _writes_first_argument(func) -> bool:
 
 def _check_inputs(func, leaves) -> None:
     meshes = []
-    indices_ok = func in _inplace.INDEX_OPS
+    facts = _facts_of(func)
+    indices_ok = facts.index
     for x in leaves:
         if isinstance(x, DTensor):
             meshes.append(x.device_mesh)
@@ -389,7 +394,7 @@ def _check_inputs(func, leaves) -> None:
             # ValueError, not TypeError: operator wrappers (a + b) turn a TypeError into
             # NotImplemented and the message would be lost.
             raise ValueError(_mixed_message(func, x))
-    if is_multi_tensor(func):
+    if facts.multi:
         return  # tensors of different list positions may live on different meshes
     first = meshes[0]
     for m in meshes[1:]:
@@ -449,7 +454,7 @@ def _unstride_unless_kept(func, leaves: list, treespec) -> list:
     nested shards] in ``_redistribute.py``), so every other rule sees plain placements."""
     if _keeps_strided(func, leaves, treespec):
         return leaves
-    if _is_inplace(func) and isinstance(leaves[0], DTensor) and leaves[0]._spec.has_strided:
+    if _facts_of(func).inplace and isinstance(leaves[0], DTensor) and leaves[0]._spec.has_strided:
         raise NotImplementedError(
             f"{func}: in-place on a DTensor with placements "
             f"{format_placements(leaves[0].placements)} is supported only for elementwise ops; "
@@ -462,31 +467,6 @@ def _unstride_unless_kept(func, leaves: list, treespec) -> list:
             x = redistribute_dtensor(x, plain)
         out.append(x)
     return out
-
-
-_NUMBERS = (int, float)
-
-
-def _hashable(x, value_free: bool = False):
-    if isinstance(x, DTensor):
-        return x._spec
-    if isinstance(x, torch.Tensor):
-        return ("T", tuple(x.shape), x.dtype, x.device.type)
-    if isinstance(x, (list, tuple)):
-        return tuple(_hashable(v, value_free) for v in x)
-    if value_free and type(x) in _NUMBERS:
-        return (type(x),)
-    return (type(x), x)  # 2 == 2.0 == True as keys, but x * 2.0 of an int tensor is float
-
-
-def _cache_key(func, leaves, treespec):
-    facts = _FACTS.get(id(func)) or _op_facts(func)
-    key = (func, treespec, tuple(_hashable(x, facts.value_free) for x in leaves))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
 
 
 def _no_rule_message(func, leaves, *, has_rule: bool = False) -> str:
@@ -503,75 +483,87 @@ def _no_rule_message(func, leaves, *, has_rule: bool = False) -> str:
     )
 
 
-# --------------------------------------------------------------------------- the fast path
-# [Note: the dispatch fast path] The pipeline above costs tens of microseconds of Python per
-# op even when its cache answers: flattening, input checks, the cache key of every leaf,
-# redistribution planning, wrapping through ``DTensor.__new__``. Once an op has run with
-# some input specs and non-tensor arguments, everything it needs next time with the same
-# ones is known: which arguments move to which placements (usually none), the function to
-# run on the local tensors, and each output's spec. ``_FAST`` keeps that per call signature,
-# and a hit only swaps the DTensors for their local tensors, runs, and wraps the outputs in
-# the very spec objects of the first call (so later keys compare by identity and their
-# hashes are already computed). Only ops that take their tensors as top-level DTensors get
-# an entry: plain tensors mixed in, tensors inside lists, strided shards, custom handlers and
-# ops without a rule keep to the pipeline, which checks and converts them on every call. Every
-# check of the pipeline depends only on what the key holds, so a call that hits would have
-# passed them; the first call, which made the entry, did.
+# --------------------------------------------------------------------------- facts and keys
+# [Note: one record per op] Everything dispatch asks about an op - its custom handler,
+# whether its rule keys numbers by type alone, whether it writes its first argument, returns
+# a view of it or changes its shape in place, takes index tensors or position-wise tensor
+# lists - comes from the op's schema, tags and rule, and is read once, into the op's
+# ``_OpFacts``: one record per op in one table, ``_FACTS`` (``custom`` empties it, so a
+# handler registered later is seen).
 
 _FACTS: dict = {}  # id(op) -> _OpFacts (the entry keeps the op alive, so the id stays its own)
 
 
 class _OpFacts:
-    """What dispatch needs about one op, looked up once."""
+    """What dispatch needs about one op, looked up once ([Note: one record per op])."""
 
-    __slots__ = ("func", "custom", "fast", "value_free")
+    __slots__ = (
+        "func",
+        "custom",
+        "value_free",
+        "inplace",
+        "returns",
+        "view",
+        "reshapes",
+        "reshape",
+        "index",
+        "multi",
+        "fast",
+    )
 
     def __init__(self, func):
         self.func = func
-        self.custom = CUSTOM.get(func)
+        self.custom = CUSTOM.get(func)  # a handler that replaces the pipeline
         # keys hold an int's or a float's type, not its value (VALUE_FREE_RULES)
         self.value_free = find_rule(func) in VALUE_FREE_RULES
+        self.inplace = _writes_first_argument(func)
+        self.returns = bool(func._schema.returns)
+        self.view = _inplace.is_view_op(func)  # returns views of its first argument
+        self.reshapes = torch.Tag.inplace_view in func.tags  # t_, squeeze_, ...
         try:
-            shape_in_place = _inplace.out_of_place_view(func) is not None
+            self.reshape = _inplace.out_of_place_view(func)  # t for t_, ...
         except NotImplementedError:
-            shape_in_place = True  # unsupported: the pipeline raises the error
-        self.fast = (
-            self.custom is None
-            and not shape_in_place
-            and not is_multi_tensor(func)
-            and func not in _inplace.INDEX_OPS
-        )
+            self.reshape = None  # unsupported: the pipeline raises the error on every call
+        self.index = func in _inplace.INDEX_OPS  # its plain tensors are indices
+        self.multi = is_multi_tensor(func)  # _foreach_*: positions may sit on other meshes
+        self.fast = self.custom is None and not self.reshapes and not self.multi and not self.index
 
 
-def _op_facts(func) -> _OpFacts:
-    facts = _FACTS[id(func)] = _OpFacts(func)
+def _facts_of(func) -> _OpFacts:
+    facts = _FACTS.get(id(func))
+    if facts is None:
+        facts = _FACTS[id(func)] = _OpFacts(func)
     return facts
 
 
-class _Hit:
-    """A cached call signature: see [Note: the dispatch fast path]."""
+# [Note: one cache key] Both caches of a root mesh - the pipeline's sharding decisions and the
+# fast path's hits - are keyed by the call signature, ``_call_key``: the op, the first
+# top-level DTensor's mesh object, each DTensor's spec (after the id of its mesh object where
+# that is another one: an equal mesh of another root is another mesh to fsdp2 and tensor
+# parallelism), each other tensor's type, shape, stride, dtype and device type, and every
+# other value with its type (``x * 2`` and ``x * 2.0`` differ in dtype; under a value-free
+# rule an int or a float is its type alone). Containers holding tensors are nested tuples and
+# keyword arguments go by name, so the key determines how the call flattens and all the
+# pipeline does to it before it asks the rule (which plain tensors become replicas, which
+# strided shards are gathered). Every id in a key belongs to an object the entry keeps
+# alive: the op (``_FACTS``; an OpOverload lives as long as torch.ops) and the meshes (the
+# key's specs hold them).
 
-    __slots__ = ("func", "run", "dtensors", "moves", "outs", "seq", "inplace", "returns", "view")
-
-
+_NUMBERS = (int, float)
 _NO_KEY = (None, None)
+_SEQUENCES = (list, tuple)
+_NESTED = (torch.Tensor, list, tuple, dict)
 
 
-def _fast_key(func, args, kwargs):
-    """The call signature of ``func(*args, **kwargs)``: op, the first DTensor's mesh object,
-    DTensor specs, non-tensor values and their types (``x * 2`` and ``x * 2.0`` differ in
-    dtype; an op whose rule is value-free keeps a number's type alone); no key when the call
-    has plain tensors, or tensors or containers inside a container. Every id in it belongs
-    to an object the entry keeps alive. Returned with that mesh (whose caches hold the
-    entry), or ``(None, None)``."""
-    facts = _FACTS.get(id(func))
-    free = facts is not None and facts.value_free
+def _call_key(func, args, kwargs, free: bool):
+    """``(key, mesh)`` of ``func(*args, **kwargs)`` ([Note: one cache key]; ``free``: the
+    op's rule is value-free), ``mesh`` holding the caches of its entries; ``(None, None)``
+    for a call without DTensors. Top-level DTensors and plain values are the fast path's
+    case and are encoded inline; everything else goes through ``_nested_part``."""
     parts = []
     mesh = None
     for a in args:
-        if isinstance(a, torch.Tensor):
-            if type(a) is not DTensor:
-                return _NO_KEY
+        if type(a) is DTensor:
             spec = a._spec
             if mesh is None:
                 # the outputs live on the first input's mesh, that object: an equal mesh
@@ -580,41 +572,106 @@ def _fast_key(func, args, kwargs):
             elif spec.mesh is not mesh:  # another mesh object: the entry is for that one
                 parts.append(id(spec.mesh))
             parts.append(spec)
-        elif isinstance(a, (list, tuple)):
-            for v in a:
-                if isinstance(v, (torch.Tensor, list, tuple, dict)):
-                    return _NO_KEY
+        elif isinstance(a, _SEQUENCES) and not any(isinstance(v, _NESTED) for v in a):
             values = tuple(None if free and type(v) in _NUMBERS else v for v in a)
             parts.append((type(a), values, tuple(map(type, a))))
-        elif isinstance(a, dict):
-            return _NO_KEY
+        elif isinstance(a, _NESTED):
+            parts.append(_nested_part(a, free))
         elif free and type(a) in _NUMBERS:
             parts.append((None, type(a)))
         else:
             parts.append((a, type(a)))
     if mesh is None:
-        return _NO_KEY
+        mesh = _first_mesh((args, kwargs))
+        if mesh is None:
+            return _NO_KEY
     if not kwargs:
         return (id(func), id(mesh), tuple(parts)), mesh
     named = []
     for k, v in kwargs.items():
-        if isinstance(v, (torch.Tensor, list, tuple, dict)):
-            return _NO_KEY
-        named.append((k, None if free and type(v) in _NUMBERS else v, type(v)))
+        if isinstance(v, _NESTED):
+            named.append((k, _nested_part(v, free)))
+        else:
+            named.append((k, None if free and type(v) in _NUMBERS else v, type(v)))
     return (id(func), id(mesh), tuple(parts), tuple(named)), mesh
 
 
-def _remember_hit(func, args, kwargs, leaves, sharding: OutputSharding, out) -> None:
-    """After ``func`` ran through the pipeline: keep what a repeat of this call needs."""
-    facts = _FACTS.get(id(func))
-    if facts is None or not facts.fast:
-        return
-    key, mesh = _fast_key(func, args, kwargs)
-    if key is None or any(x._spec.has_strided for x in leaves if isinstance(x, DTensor)):
+def _nested_part(x, free: bool):
+    """The key part of a value that is not a top-level DTensor: a DTensor in a container
+    (its mesh object's id, then its spec), another tensor, or a container, recursively."""
+    if isinstance(x, torch.Tensor):
+        if isinstance(x, DTensor):
+            return (type(x), id(x._spec.mesh), x._spec)
+        stride = tuple(x.stride()) if x.layout is torch.strided else x.layout
+        return (type(x), tuple(x.shape), stride, x.dtype, x.device.type)
+    if isinstance(x, (list, tuple)):
+        return (type(x), *[_nested_part(v, free) for v in x])
+    if isinstance(x, dict):
+        return (dict, *[(k, _nested_part(v, free)) for k, v in x.items()])
+    if free and type(x) in _NUMBERS:
+        return (None, type(x))
+    return (x, type(x))
+
+
+def _first_mesh(x):
+    """The mesh of the first DTensor in ``x``, searched through containers; None if none."""
+    if isinstance(x, DTensor):
+        return x._spec.mesh
+    values = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else ()
+    for v in values:
+        mesh = _first_mesh(v)
+        if mesh is not None:
+            return mesh
+    return None
+
+
+# --------------------------------------------------------------------------- the fast path
+# [Note: the dispatch fast path] The pipeline above costs tens of microseconds of Python per
+# op even when its cache answers: flattening, input checks, redistribution planning, wrapping
+# through ``DTensor.__new__``. Once an op has run with some input specs and non-tensor
+# arguments, everything it needs next time with the same ones is known: which arguments move
+# to which placements (usually none), the function to run on the local tensors, and each
+# output's spec. Each root mesh's ``fast`` cache (``_MeshCaches``) keeps that per call key
+# ([Note: one cache key]), and a hit only swaps the DTensors for their local tensors, runs,
+# and wraps the outputs in the very spec objects of the first call (so later keys compare by
+# identity and their hashes are already computed). Only calls whose tensors are all
+# top-level DTensors get an entry: plain tensors mixed in, tensors inside lists, strided
+# shards, custom handlers and ops without a rule keep to the pipeline, which checks and
+# converts them on every call. Every check of the pipeline depends only on what the key
+# holds, so a call that hits would have passed them; the first call, which made the entry,
+# did.
+
+
+class _Hit:
+    """A cached call signature: see [Note: the dispatch fast path]."""
+
+    __slots__ = ("func", "run", "dtensors", "moves", "outs", "seq", "inplace", "returns", "view")
+
+
+def _only_top_level_dtensors(args, kwargs) -> bool:
+    """Whether every tensor of the call is a DTensor (not a subclass) passed as an argument
+    of its own: the calls ``_run_hit`` can run."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if type(a) is not DTensor:
+                return False
+        elif isinstance(a, dict):
+            return False
+        elif isinstance(a, (list, tuple)) and any(isinstance(v, _NESTED) for v in a):
+            return False
+    return not any(isinstance(v, _NESTED) for v in kwargs.values())
+
+
+def _remember_hit(facts, key, mesh, args, kwargs, leaves, sharding, out) -> None:
+    """After an op ran through the pipeline: keep what a repeat of this call needs, under its
+    call key in ``mesh``'s fast cache."""
+    if not _only_top_level_dtensors(args, kwargs) or any(
+        x._spec.has_strided for x in leaves if isinstance(x, DTensor)
+    ):
         return
     hit = _Hit()
-    hit.func = func
-    hit.run = sharding.local_fn or func
+    hit.func = facts.func
+    hit.run = sharding.local_fn or facts.func
     hit.dtensors = tuple(i for i, a in enumerate(args) if isinstance(a, DTensor))
     # the k-th DTensor of args is the k-th DTensor leaf: none sits inside a container
     leaf_of = [i for i, x in enumerate(leaves) if isinstance(x, DTensor)]
@@ -624,9 +681,9 @@ def _remember_hit(func, args, kwargs, leaves, sharding: OutputSharding, out) -> 
         if want is not None and tuple(want) != args[pos].placements:
             moves.append((pos, tuple(want)))
     hit.moves = tuple(moves)
-    hit.inplace = _is_inplace(func)
-    hit.returns = bool(func._schema.returns)
-    hit.view = bool(hit.dtensors) and hit.dtensors[0] == 0 and _inplace.is_view_op(func)
+    hit.inplace = facts.inplace
+    hit.returns = facts.returns
+    hit.view = bool(hit.dtensors) and hit.dtensors[0] == 0 and facts.view
     hit.seq = None
     if hit.inplace:
         if not isinstance(args[0], DTensor):
@@ -635,16 +692,13 @@ def _remember_hit(func, args, kwargs, leaves, sharding: OutputSharding, out) -> 
     elif isinstance(out, DTensor):
         hit.outs = out._spec
     elif type(out) in (list, tuple) and all(
-        isinstance(o, DTensor) or not isinstance(o, (torch.Tensor, list, tuple, dict)) for o in out
+        isinstance(o, DTensor) or not isinstance(o, _NESTED) for o in out
     ):
         hit.seq = type(out)
         hit.outs = tuple(o._spec if isinstance(o, DTensor) else None for o in out)
     else:
         return
-    try:
-        _put(_caches_of(mesh).fast, key, hit)
-    except TypeError:  # unhashable: no entry, the pipeline runs every time
-        pass
+    _put(mesh.resources.get(_MeshCaches).fast, key, hit)
 
 
 def _run_hit(hit: _Hit, args, kwargs):
@@ -727,3 +781,6 @@ def _item(func, args, kwargs):
 @custom(aten.is_same_size.default)
 def _is_same_size(func, args, kwargs):
     return tuple(args[0].shape) == tuple(args[1].shape)
+
+
+set_dispatch(dispatch)  # [Note: the dispatcher is set from above] in dtensor/tensor.py

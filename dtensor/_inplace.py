@@ -39,19 +39,19 @@ INDEX_OPS = {
     aten.index_fill_.int_Scalar,
 }
 
-_VIEW: dict = {}
-
 
 def is_view_op(func) -> bool:
-    """Whether ``func`` returns views of its first argument (``select``, ``view``, ...)."""
-    view = _VIEW.get(func)
-    if view is None:
-        schema = func._schema
-        first = schema.arguments[0].alias_info if schema.arguments else None
-        out = schema.returns[0].alias_info if schema.returns else None
-        view = bool(first is not None and out is not None and not first.is_write)
-        _VIEW[func] = view
-    return view
+    """Whether ``func`` returns views of its first argument (``select``, ``view``, ...), read
+    from its schema (dispatch asks once per op: ``_OpFacts`` in ``dtensor/_dispatch.py``).
+
+    Example:
+        >>> is_view_op(torch.ops.aten.select.int), is_view_op(torch.ops.aten.add.Tensor)
+        (True, False)
+    """
+    schema = func._schema
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    out = schema.returns[0].alias_info if schema.returns else None
+    return bool(first is not None and out is not None and not first.is_write)
 
 
 def written_dtensors(func, args, kwargs) -> list[DTensor]:
@@ -142,21 +142,24 @@ def run_writing_op_on_full(func, args, kwargs, leaves, unflatten):
     return written[0] if len(written) == 1 else tuple(written)
 
 
-_METADATA_OPS: dict = {}
-
-
 def out_of_place_view(func):
     """For an op that changes a tensor's shape in place (``t_``, ``transpose_``,
-    ``squeeze_``...: PyTorch's ``inplace_view`` tag), its out-of-place view; None otherwise."""
-    if func in _METADATA_OPS:
-        return _METADATA_OPS[func]
-    view = None
-    if torch.Tag.inplace_view in func.tags:
-        packet = getattr(aten, func.overloadpacket.__name__.rstrip("_"), None)
-        view = getattr(packet, func._overloadname, None) if packet is not None else None
-        if view is None or torch.Tag.inplace_view in view.tags:
-            raise NotImplementedError(f"DTensor: {func} (an in-place view) is not supported.")
-    _METADATA_OPS[func] = view
+    ``squeeze_``...: PyTorch's ``inplace_view`` tag), its out-of-place view; None otherwise
+    (dispatch asks once per op: ``_OpFacts`` in ``dtensor/_dispatch.py``).
+
+    Raises:
+        NotImplementedError: an in-place view with no out-of-place counterpart.
+
+    Example:
+        >>> out_of_place_view(torch.ops.aten.t_.default)
+        <OpOverload(op='aten.t', overload='default')>
+    """
+    if torch.Tag.inplace_view not in func.tags:
+        return None
+    packet = getattr(aten, func.overloadpacket.__name__.rstrip("_"), None)
+    view = getattr(packet, func._overloadname, None) if packet is not None else None
+    if view is None or torch.Tag.inplace_view in view.tags:
+        raise NotImplementedError(f"DTensor: {func} (an in-place view) is not supported.")
     return view
 
 

@@ -55,7 +55,6 @@ DEFAULT_BUDGET = 64 << 20
 PER_SIZE = 8
 STALE_AFTER = 4096  # requests; a 12-block TP step on the benchmark GPT makes about 300
 
-_KEY = "dtensor.workspace"
 _bypass = threading.local()
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # every workspace still referenced
 
@@ -199,6 +198,11 @@ def bypassed():
         _bypass.active = before
 
 
+class _MeshWorkspaces(dict):
+    """One root mesh's workspaces, by process-group name, kept in the mesh's resources
+    (``DeviceMesh.resources``: they go when the mesh does)."""
+
+
 def collective_workspace(mesh, mesh_dim: int | str = 0) -> Workspace:
     """The workspace of ``mesh``'s dim ``mesh_dim``, made on first use: from then on the CPU
     collectives of DTensor redistributions over that dim reuse their buffers ([Note:
@@ -210,11 +214,11 @@ def collective_workspace(mesh, mesh_dim: int | str = 0) -> Workspace:
         >>> ws.budget = 128 << 20          # allow more for long sequences
         >>> ws.hits, ws.kept, ws.plain     # after some steps: (1800, 9, 0)
     """
-    key = (_KEY, mesh.get_group(mesh_dim).group_name)  # a name: the mesh holds groups weakly
-    resources = mesh._resources()
-    found = resources.get(key)
+    name = mesh.get_group(mesh_dim).group_name  # a name: the mesh holds groups weakly
+    workspaces = mesh.resources.get(_MeshWorkspaces)
+    found = workspaces.get(name)
     if found is None:
-        found = resources[key] = Workspace()
+        found = workspaces.setdefault(name, Workspace())
     return found
 
 
@@ -250,7 +254,7 @@ def workspace_for_group(mesh, group) -> Workspace | None:
         >>> workspace_for_group(mesh, mesh.get_group("tp")) is collective_workspace(mesh["tp"])
         True
     """
-    resources = mesh._resources()
-    if not resources:
+    workspaces = mesh.resources.peek(_MeshWorkspaces)
+    if not workspaces:
         return None
-    return resources.get((_KEY, group.group_name))
+    return workspaces.get(group.group_name)

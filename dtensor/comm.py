@@ -9,7 +9,8 @@ this module holds them, under public names:
   on gloo]) and the local reductions behind them (``sum_into``, ``tree_sum_into``,
   ``combine_rows``);
 * ``exchange``: one point-to-point message per peer and per item, the transport of the block
-  routes on gloo, with its tags from ``message_tags`` ([Note: message tags]);
+  routes on gloo, with its tags from a range its user reserved (``reserve_message_tags``:
+  [Note: message tags]);
 * ``reduction_of``: how a ``Partial`` placement is reduced (the wire op, the divisor, the
   power of a norm) - the one mapping every reducing collective uses;
 * ``backend_is_gloo`` and ``mesh_dim_label`` (what ``dtensor.debug`` records a collective
@@ -35,6 +36,8 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -387,14 +390,21 @@ def reduce_rows(
 # [Note: message tags] gloo matches a point-to-point message by its peer and its tag, in the
 # order the messages were posted. Two exchanges that may be in flight at once (an fsdp2
 # all-gather prefetched during a reduction, a DTensor redistribution inside a module fsdp2
-# is gathering) must therefore never share a tag. Every user takes its tags from one range
-# of this table, by name; the ranges are fixed here (not handed out in import order, which
-# may differ between ranks) and checked not to overlap.
-_TAG_RANGES: dict[str, tuple[int, int]] = {  # name: (first tag, number of tags)
-    "fsdp2.all_gather": (0, 1 << 24),  # one tag per parameter of a group
-    "fsdp2.reduce_scatter": (1 << 24, 1 << 24),  # per parameter, then the flags
-    "dtensor.redistribute": (1 << 25, 1),  # one block per peer
-}
+# is gathering) must therefore never share a tag. So every user of ``exchange`` reserves a
+# range of its own, under a name of its own, when its module is imported
+# (``reserve_message_tags("fsdp2.all_gather", 1 << 24)``), and takes its tags from it: this
+# layer knows none of its users. Every rank must agree on every range, while ranks need not
+# import modules in the same order, nor the same modules (a tool imported on one rank only),
+# so a range is placed by its name and size alone, never by the order of reservations: its
+# ``count`` tags start an aligned block of the next power of two, the block picked by a
+# stable hash of the name (blake2b: ``hash()`` is salted per process) among the blocks of
+# that size in the tag space ``[0, TAG_SPACE)``. Reserving a range that overlaps another
+# name's raises on every rank that reserves both (rename one; the odds are the range's share
+# of the space, 1 in 128 against each 2**24-tag range); the same name and count reserved
+# again (a module reloaded) is the same range.
+TAG_SPACE = 1 << 31  # gloo takes a tag as a C int
+_RESERVED: dict[str, MessageTags] = {}  # name -> its range
+_RESERVING = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -403,9 +413,9 @@ class MessageTags:
 
     Example::
 
-        >>> tags = message_tags("fsdp2.reduce_scatter")
-        >>> tags[0], len(tags)
-        (16777216, 16777216)
+        >>> tags = reserve_message_tags("mylib.halo", 4)
+        >>> tags[3] - tags[0], len(tags)
+        (3, 4)
     """
 
     name: str
@@ -423,32 +433,78 @@ class MessageTags:
         return self.first + i
 
 
-def message_tags(name: str) -> MessageTags:
-    """The tag range reserved for ``name`` ([Note: message tags] in ``dtensor/comm.py``).
+def reserve_message_tags(name: str, count: int) -> MessageTags:
+    """Reserve ``count`` point-to-point message tags under ``name`` (one name per user of
+    ``exchange``; call it when the user's module is imported). The range depends on the name
+    and count alone, so every rank gets the same one whatever it imported before ([Note:
+    message tags] in ``dtensor/comm.py``); asked again with the same count, it is the same.
+
+    Raises:
+        ValueError: ``count`` is not an int from 1 to ``TAG_SPACE // 2``; ``name`` is
+            reserved with another count; or the range overlaps another name's.
 
     Example::
 
-        >>> message_tags("dtensor.redistribute")[0]
-        33554432
+        >>> tags = reserve_message_tags("mylib.halo", 4)    # at import time of mylib
+        >>> reserve_message_tags("mylib.halo", 4) == tags   # a reload: the same range
+        True
+    """
+    if type(count) is not int or not 1 <= count <= TAG_SPACE // 2:
+        raise ValueError(
+            f"reserve_message_tags({name!r}, {count!r}): count must be an int from 1 to "
+            f"{TAG_SPACE // 2}."
+        )
+    tags = _placed(name, count)
+    with _RESERVING:
+        found = _RESERVED.get(name)
+        if found is not None and found.count != count:
+            raise ValueError(
+                f"reserve_message_tags({name!r}, {count}): {name!r} is already reserved with "
+                f"{found.count} tags. One name is one range: reserve it with one count, or "
+                "use another name."
+            )
+        clash = [t for t in _RESERVED.values() if t.name != name and _overlap(t, tags)]
+        if clash:
+            raise ValueError(
+                f"reserve_message_tags({name!r}, {count}): its tags "
+                f"[{tags.first}, {tags.first + count}) overlap {clash[0].name!r}'s "
+                f"[{clash[0].first}, {clash[0].first + clash[0].count}). A range is placed "
+                "by its name (the same on every rank); rename one of the two."
+            )
+        _RESERVED[name] = tags
+    return tags
+
+
+def _placed(name: str, count: int) -> MessageTags:
+    """Where ``name``'s ``count`` tags sit: see [Note: message tags]."""
+    block = 1 << (count - 1).bit_length()
+    digest = hashlib.blake2b(name.encode(), digest_size=8).digest()
+    return MessageTags(name, int.from_bytes(digest, "big") % (TAG_SPACE // block) * block, count)
+
+
+def _overlap(a: MessageTags, b: MessageTags) -> bool:
+    return a.first < b.first + b.count and b.first < a.first + a.count
+
+
+def message_tags(name: str) -> MessageTags:
+    """The tag range reserved under ``name`` ([Note: message tags] in ``dtensor/comm.py``).
+
+    Raises:
+        KeyError: nothing is reserved under ``name``.
+
+    Example::
+
+        >>> message_tags("dtensor.redistribute") == reserve_message_tags("dtensor.redistribute", 1)
+        True
     """
     try:
-        first, count = _TAG_RANGES[name]
+        return _RESERVED[name]
     except KeyError:
         raise KeyError(
-            f"no message tags are reserved for {name!r}; reserved: {sorted(_TAG_RANGES)}. "
-            "Add a range to dtensor.comm._TAG_RANGES."
+            f"no message tags are reserved for {name!r}; reserved: {sorted(_RESERVED)}. "
+            "Reserve them with dtensor.comm.reserve_message_tags(name, count) when the "
+            "module that sends the messages is imported."
         ) from None
-    return MessageTags(name, first, count)
-
-
-def _check_tag_ranges() -> None:
-    spans = sorted(_TAG_RANGES.values())
-    for (a, n), (b, _) in zip(spans, spans[1:]):
-        if a + n > b:
-            raise AssertionError(f"message tag ranges overlap: {_TAG_RANGES}")
-
-
-_check_tag_ranges()
 
 
 Blocks = Callable[[int], torch.Tensor]

@@ -51,26 +51,43 @@ def torch_dtensor_message(api: str, argument: str, obj) -> str:
     )
 
 
-def _dispatch(func, args, kwargs):
-    """[Note: DTensor under torch.compile] DTensor is a traceable subclass: dynamo passes it
-    into graphs through ``__tensor_flatten__`` / ``__tensor_unflatten__`` and AOTAutograd
-    traces ``__torch_dispatch__`` with fake local tensors, so a compiled graph holds the local
-    ops. Dynamo itself must never compile *our* Python as a frame of its own: an op that runs
-    eagerly while a compiled function is active (a graph break, a runtime wrapper building
-    its DTensor outputs) would call into dispatch or ``__new__`` with dynamo's frame hook set,
-    and dynamo would try to compile them. ``torch.compiler.disable`` on those entry points
-    runs them, and everything they call, as plain Python (about a microsecond per call).
-    ``__tensor_flatten__`` first finishes an ``async_op`` redistribution still in flight, so
-    a graph never reads the local tensor from before the collective."""
+# [Note: DTensor under torch.compile] DTensor is a traceable subclass: dynamo passes it into
+# graphs through ``__tensor_flatten__`` / ``__tensor_unflatten__`` and AOTAutograd traces
+# ``__torch_dispatch__`` with fake local tensors, so a compiled graph holds the local ops.
+# Dynamo itself must never compile *our* Python as a frame of its own: an op that runs
+# eagerly while a compiled function is active (a graph break, a runtime wrapper building its
+# DTensor outputs) would call into dispatch or ``__new__`` with dynamo's frame hook set, and
+# dynamo would try to compile them. ``torch.compiler.disable`` on those entry points runs
+# them, and everything they call, as plain Python (about a microsecond per call).
+# ``__tensor_flatten__`` first finishes an ``async_op`` redistribution still in flight, so a
+# graph never reads the local tensor from before the collective.
+
+
+def _dispatcher_not_set(func, args, kwargs):
+    raise AssertionError(
+        f"DTensor: {func} reached __torch_dispatch__ before dtensor._dispatch set the "
+        "dispatcher (it does when it is imported, and `import dtensor` imports it)."
+    )
+
+
+# [Note: the dispatcher is set from above] Every op on a DTensor goes to
+# ``dtensor._dispatch.dispatch``, which builds on this module (it wraps outputs in DTensors,
+# redistributes inputs). So this module does not import it: ``dtensor._dispatch`` hands its
+# entry point to ``set_dispatch`` when it is imported (``dtensor/__init__.py`` imports it
+# before anything can make a DTensor), and ``__torch_dispatch__`` calls it directly.
+_dispatch_impl = _dispatcher_not_set
+
+
+def set_dispatch(fn) -> None:
+    """Make ``fn(func, args, kwargs)`` the handler of every aten op on a DTensor ([Note: the
+    dispatcher is set from above] in ``dtensor/tensor.py``).
+
+    Example:
+        >>> from dtensor._dispatch import dispatch
+        >>> set_dispatch(dispatch)     # what importing dtensor._dispatch does
+    """
     global _dispatch_impl
-    if _dispatch_impl is None:
-        from dtensor._dispatch import dispatch
-
-        _dispatch_impl = dispatch
-    return _dispatch_impl(func, args, kwargs)
-
-
-_dispatch_impl = None  # dtensor._dispatch.dispatch, imported on the first op
+    _dispatch_impl = fn
 
 
 def _new_dtensor(cls, local_tensor: torch.Tensor, spec: DTensorSpec, requires_grad: bool):
@@ -131,7 +148,7 @@ class DTensor(torch.Tensor):
     @classmethod
     @torch.compiler.disable  # [Note: DTensor under torch.compile]
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch(func, args, kwargs or {})
+        return _dispatch_impl(func, args, kwargs or {})
 
     # ---------------------------------------------------------------------------- metadata
     @property

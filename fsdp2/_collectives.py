@@ -40,8 +40,8 @@ from dtensor.comm import (
     backend_is_gloo,
     exchange,
     mesh_dim_label,
-    message_tags,
     reduce_rows,
+    reserve_message_tags,
     sum_into,
     tree_sum_into,
 )
@@ -414,12 +414,12 @@ def _gradient_rows(params, grads, dtype, device, pool) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- point to point
-# Message tags: a parameter's index within its group, in a range of its own for all-gathers
-# and for reductions (``dtensor.comm``'s [Note: message tags]), so that an all-gather and a
-# reduction in flight at once never share one. Within each, gloo matches the messages of
-# one tag between two ranks in the order they were posted.
-_GATHER_TAGS = message_tags("fsdp2.all_gather")
-_REDUCE_TAGS = message_tags("fsdp2.reduce_scatter")
+# Message tags: a parameter's index within its group, in a range reserved here for
+# all-gathers and one for reductions (``dtensor.comm``'s [Note: message tags]), so that an
+# all-gather and a reduction in flight at once never share one. Within each, gloo matches
+# the messages of one tag between two ranks in the order they were posted.
+_GATHER_TAGS = reserve_message_tags("fsdp2.all_gather", 1 << 24)  # one per parameter of a group
+_REDUCE_TAGS = reserve_message_tags("fsdp2.reduce_scatter", 1 << 24)  # per parameter, the flags
 
 
 class _Exchange:

@@ -332,3 +332,34 @@ def test_env_switches_read_every_spelling_and_refuse_a_typo(monkeypatch):
     monkeypatch.setenv(name, "flase")
     with pytest.raises(ValueError, match=r"DEVICE_MESH_TEST_SWITCH='flase': expected on \(1,"):
         env_switch(name)
+
+
+def _check_resources_live_with_the_root():
+    import copy
+    import pickle
+
+    from device_mesh import MeshResources
+
+    class Counts:  # a class of "the layer above"
+        def __init__(self) -> None:
+            self.n = 0
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    assert isinstance(mesh.resources, MeshResources)
+    assert mesh.resources.peek(Counts) is None  # peek makes nothing
+    mesh.resources.get(Counts).n += 1
+    flat = mesh.flatten("dp_tp")
+    for other in (mesh["tp"], mesh["dp"], mesh["dp", "tp"], flat, copy.deepcopy(mesh["tp"])):
+        assert other.resources is mesh.resources
+        assert other.resources.get(Counts).n == 1
+    assert "Counts" in repr(mesh.resources)
+    # a rebuilt mesh (unpickled) and a second root start empty
+    back = pickle.loads(pickle.dumps(mesh["tp"]))
+    assert back == mesh["tp"] and back.resources.peek(Counts) is None
+    second = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    assert second.resources is not mesh.resources
+    assert second.resources.get(Counts).n == 0
+
+
+def test_resources_live_with_the_root_mesh():
+    run_on_ranks(4, _check_resources_live_with_the_root)

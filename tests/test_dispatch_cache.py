@@ -245,3 +245,42 @@ def _check_ops_across_roots_keep_their_own_meshes():
 
 def test_ops_across_roots_keep_their_own_meshes():
     run_on_ranks(2, _check_ops_across_roots_keep_their_own_meshes)
+
+
+def _check_both_caches_share_one_key():
+    """[Note: one cache key]: the fast path's entry and the pipeline's decision for a call sit
+    under the same key; calls the fast path leaves alone (a foreach op) still hit the rules."""
+    mesh = init_device_mesh("cpu", (2,))
+    _dispatch.clear_cache()
+    x = distribute_tensor(torch.randn(4, 2), mesh, [Shard(0)])
+    (x + x, x * 2.0, x.view(-1), x.sum())
+    caches = _dispatch._caches_of(mesh)
+    assert len(caches.fast) == 4 and set(caches.fast) <= set(caches.rules)
+    for _ in range(2):
+        with _counting() as counts:
+            out = torch._foreach_add([x, x * 2], 1.0)
+    assert counts["propagate"] == 0 and counts["pipeline"] == 1, counts
+    torch.testing.assert_close(out[1].full_tensor(), x.full_tensor() * 2 + 1)
+
+
+def test_both_caches_share_one_key():
+    run_on_ranks(2, _check_both_caches_share_one_key)
+
+
+def test_one_record_per_op():
+    """[Note: one record per op]: every fact dispatch reads about an op is in its _OpFacts."""
+    import dtensor.tensor
+
+    aten = torch.ops.aten
+    facts = _dispatch._facts_of
+    assert dtensor.tensor._dispatch_impl is _dispatch.dispatch  # set_dispatch at import
+    assert facts(aten.add.Tensor) is facts(aten.add.Tensor)
+    assert facts(aten.add.Tensor).fast and facts(aten.add.Tensor).value_free
+    assert facts(aten.add_.Tensor).inplace and not facts(aten.add.Tensor).inplace
+    assert facts(aten.view.default).view and not facts(aten.view.default).inplace
+    t_ = facts(aten.t_.default)
+    assert t_.reshapes and t_.reshape is aten.t.default and not t_.fast
+    assert facts(aten.index_put_.default).index and not facts(aten.index_put_.default).fast
+    assert facts(aten._foreach_add.Scalar).multi and not facts(aten._foreach_add.Scalar).fast
+    assert facts(aten.equal.default).custom is not None
+    assert facts(aten.zero_.default).returns  # zero_ returns its target

@@ -218,17 +218,55 @@ def test_reduction_of_every_partial():
 
 
 def test_message_tag_ranges_are_disjoint_and_bounded():
+    import fsdp2  # noqa: F401  (reserves its ranges)
     from dtensor import comm
 
-    ranges = [comm.message_tags(name) for name in comm._TAG_RANGES]
+    names = ["dtensor.redistribute", "fsdp2.all_gather", "fsdp2.reduce_scatter"]
+    ranges = [comm.message_tags(name) for name in names]
     spans = sorted((t.first, t.first + len(t)) for t in ranges)
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert 0 <= spans[0][0] and spans[-1][1] <= comm.TAG_SPACE
+    assert [len(t) for t in ranges] == [1, 1 << 24, 1 << 24]
     tags = comm.message_tags("dtensor.redistribute")
     assert tags[0] == tags.first
     with pytest.raises(IndexError, match="outside 'dtensor.redistribute'"):
         tags[1]
-    with pytest.raises(KeyError, match="no message tags are reserved for 'mine'"):
+    with pytest.raises(KeyError, match="no message tags are reserved for 'mine'.*reserve_message"):
         comm.message_tags("mine")
+
+
+def test_message_tags_are_handed_out_by_name_not_by_order(monkeypatch):
+    """A range depends on its name and count alone ([Note: message tags]): reserved in any
+    order, or with other names reserved or not, every rank gets the same ranges; the same
+    name and count again is the same range, another count or an overlap is refused."""
+    from dtensor import comm
+
+    wanted = [("test.a", 3), ("test.b", 1 << 20), ("test.c", 1), ("test.d", 1000)]
+    results = []
+    for order in (wanted, wanted[::-1], wanted[1::2]):
+        monkeypatch.setattr(comm, "_RESERVED", {})  # a fresh process
+        results.append({n: comm.reserve_message_tags(n, k) for n, k in order})
+    assert all(results[0][n] == got for r in results[1:] for n, got in r.items())
+    for tags in results[0].values():
+        block = 1 << (len(tags) - 1).bit_length()
+        assert tags.first % block == 0 and tags.first + len(tags) <= comm.TAG_SPACE
+    # idempotent (a module reloaded), on the reservations of this process
+    monkeypatch.setattr(comm, "_RESERVED", dict(comm._RESERVED))
+    again = comm.reserve_message_tags("test.a", 3)
+    assert again == results[0]["test.a"] and comm.message_tags("test.a") == again
+    with pytest.raises(ValueError, match="'test.a' is already reserved with 3 tags"):
+        comm.reserve_message_tags("test.a", 4)
+    for bad in (0, -1, 1.5, True, comm.TAG_SPACE):
+        with pytest.raises(ValueError, match="count must be an int from 1"):
+            comm.reserve_message_tags("test.bad", bad)
+    # two names whose ranges meet: the second is refused, naming the first
+    monkeypatch.setattr(comm, "_RESERVED", {})
+    half = comm.TAG_SPACE // 2  # two blocks of this size: some name lands on test.big's
+    big = comm.reserve_message_tags("test.big", half)
+    other = next(f"t.{i}" for i in range(64) if comm._placed(f"t.{i}", half).first == big.first)
+    with pytest.raises(ValueError, match="overlap 'test.big'.*rename one"):
+        comm.reserve_message_tags(other, half)
+    assert other not in comm._RESERVED
 
 
 @pytest.mark.parametrize("k", [2, 3, 4])
