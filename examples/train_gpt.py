@@ -278,7 +278,7 @@ def train(args) -> list[tuple[int, float]]:
     owns_group = not dist.is_initialized()
     if owns_group:
         dist.init_process_group("gloo")
-    rank, ws = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     cfg = GPTConfig(
         vocab_size=256, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
         max_seq_len=args.seq,
@@ -289,26 +289,7 @@ def train(args) -> list[tuple[int, float]]:
     first, samples, resumed_from = resume(model, opt, args.checkpoint_dir)
     if args.resume and resumed_from is None:
         raise SystemExit(f"train_gpt: --resume: no committed checkpoint in {args.checkpoint_dir}")
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-    progress = console = task = None
-    if rank == 0:
-        from rich.console import Console
-
-        console = Console()
-        console.print(
-            f"[bold]fully_shard GPT[/]: {cfg.num_params() / 1e6:.2f}M parameters, "
-            f"{ws} ranks, {len(data) / 1e6:.1f} MB of text, batch {args.batch}x{args.seq} per rank"
-            + (", bf16" if args.bf16 else "")
-        )
-        progress, task = start_progress(console, args.steps)
-        if first and progress is not None:
-            progress.update(task, completed=first)
-        if resumed_from is not None:
-            console.print(f"resumed from step {first} ({resumed_from}) at world size {ws}")
-
-    logged: list[tuple[int, float]] = []
-    tokens = 0
+    shown = _Shown.start(args, cfg, data, first, resumed_from) if rank == 0 else _Shown()
     # --profile-comm: each step's collectives beside the expected ones (docs/tools.md)
     ledger = (
         CommLedger(expected_step_comms(model, clip_grad_norm=True))
@@ -316,51 +297,111 @@ def train(args) -> list[tuple[int, float]]:
         else None
     )
     memory = start_memory_tracker(args, model, opt)
-    start = time.perf_counter()
+    run = _Run(args, model, opt, data, samples, ledger)
     for step in range(first, args.steps):
-        for group in opt.param_groups:
+        run.step(step)
+        shown.step(step, run.logged, run.tokens / (time.perf_counter() - run.start), args)
+    elapsed = time.perf_counter() - run.start
+    if memory is not None:
+        memory.__exit__(None, None, None)
+    _finish(args, model, opt, run, shown, memory, elapsed)
+    dist.barrier()
+    if owns_group:
+        dist.destroy_process_group()
+    return run.logged
+
+
+class _Run:
+    """The training loop's state: the sample cursor, the tokens seen, the logged losses."""
+
+    def __init__(self, args, model, opt, data, samples: int, ledger) -> None:
+        self.args, self.model, self.opt, self.data, self.ledger = args, model, opt, data, ledger
+        self.samples = samples
+        self.tokens = 0
+        self.logged: list[tuple[int, float]] = []
+        self.rank, self.ws = dist.get_rank(), dist.get_world_size()
+        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.start = time.perf_counter()
+
+    def step(self, step: int) -> None:
+        """One optimizer step on this rank's batch, then its log line and checkpoint."""
+        args, ws = self.args, self.ws
+        for group in self.opt.param_groups:
             group["lr"] = lr_at(step, args)
-        x, y = samples_at(data, args.seq, SEED, samples + rank * args.batch, args.batch)
-        samples += ws * args.batch
-        with ledger.step() if ledger else contextlib.nullcontext():
-            loss = gpt_loss(model, x, y)
+        x, y = samples_at(self.data, args.seq, SEED, self.samples + self.rank * args.batch, args.batch)
+        self.samples += ws * args.batch
+        with self.ledger.step() if self.ledger else contextlib.nullcontext():
+            loss = gpt_loss(self.model, x, y)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-        tokens += x.numel() * ws
-        logs_now = step % args.log_every == 0 or step == args.steps - 1
-        if logs_now:
-            value = loss.detach().clone()
-            dist.all_reduce(value)
-            logged.append((step, value.item() / ws))
-            if rank == 0 and args.loss_log is not None:
-                line = {"step": step, "loss": logged[-1][1], "world_size": ws, "restart": restart}
-                with open(args.loss_log, "a") as f:
-                    f.write(json.dumps(line) + "\n")
-        tps = tokens / (time.perf_counter() - start)
-        if progress is not None:
-            shown = f"{logged[-1][1]:.3f}" if logged else "-"
-            progress.update(task, advance=1, loss=shown, tps=f"{tps:,.0f}")
-        elif console is not None and logs_now:
-            console.print(
-                f"step {step + 1:5d}/{args.steps}  loss {logged[-1][1]:.4f}  {tps:9,.0f} tok/s",
-                highlight=False,
-            )
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.opt.step()
+            self.opt.zero_grad()
+        self.tokens += x.numel() * ws
+        if step % args.log_every == 0 or step == args.steps - 1:
+            self.log(step, loss)
         every = args.checkpoint_every
         if args.checkpoint_dir and ((every and (step + 1) % every == 0) or step == args.steps - 1):
             where = args.checkpoint_dir / f"step-{step + 1:06d}"
-            dcp.save(training_state(model, opt, step + 1, samples), checkpoint_id=where)
-    elapsed = time.perf_counter() - start
-    if memory is not None:
-        memory.__exit__(None, None, None)
+            state = training_state(self.model, self.opt, step + 1, self.samples)
+            dcp.save(state, checkpoint_id=where)
 
+    def log(self, step: int, loss: torch.Tensor) -> None:
+        """The mean loss over the ranks, kept and (rank 0, ``--loss-log``) appended."""
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        self.logged.append((step, value.item() / self.ws))
+        if self.rank == 0 and self.args.loss_log is not None:
+            line = {
+                "step": step, "loss": self.logged[-1][1], "world_size": self.ws,
+                "restart": self.restart,
+            }  # fmt: skip
+            with open(self.args.loss_log, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+
+class _Shown:
+    """What rank 0 shows while it trains (nothing on the other ranks)."""
+
+    def __init__(self, console=None, progress=None, task=None) -> None:
+        self.console, self.progress, self.task = console, progress, task
+
+    @classmethod
+    def start(cls, args, cfg, data, first: int, resumed_from) -> _Shown:
+        from rich.console import Console
+
+        console = Console()
+        console.print(
+            f"[bold]fully_shard GPT[/]: {cfg.num_params() / 1e6:.2f}M parameters, "
+            f"{dist.get_world_size()} ranks, {len(data) / 1e6:.1f} MB of text, batch "
+            f"{args.batch}x{args.seq} per rank" + (", bf16" if args.bf16 else "")
+        )
+        progress, task = start_progress(console, args.steps)
+        if first and progress is not None:
+            progress.update(task, completed=first)
+        if resumed_from is not None:
+            ws = dist.get_world_size()
+            console.print(f"resumed from step {first} ({resumed_from}) at world size {ws}")
+        return cls(console, progress, task)
+
+    def step(self, step: int, logged, tps: float, args) -> None:
+        if self.progress is not None:
+            shown = f"{logged[-1][1]:.3f}" if logged else "-"
+            self.progress.update(self.task, advance=1, loss=shown, tps=f"{tps:,.0f}")
+        elif self.console is not None and (step % args.log_every == 0 or step == args.steps - 1):
+            self.console.print(
+                f"step {step + 1:5d}/{args.steps}  loss {logged[-1][1]:.4f}  {tps:9,.0f} tok/s",
+                highlight=False,
+            )
+
+
+def _finish(args, model, opt, run: _Run, shown: _Shown, memory, elapsed: float) -> None:
+    """After the last step: every rank's memory, a sample, and (rank 0) the reports."""
     mine = {
-        "rank": rank,
+        "rank": run.rank,
         "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "state_mb": state_bytes(model, opt) / 2**20,
     }
-    everyone = [None] * ws
+    everyone = [None] * run.ws
     dist.all_gather_object(everyone, mine)
     same_draws = torch.Generator().manual_seed(0)  # every rank samples the same bytes
     sample = model.generate(  # every rank takes part: the parameters are sharded
@@ -370,20 +411,19 @@ def train(args) -> list[tuple[int, float]]:
         top_k=args.top_k,
         generator=same_draws,
     )
-    if rank == 0:
-        if progress is not None:
-            progress.stop()
-        report(console, logged, everyone, tokens / max(elapsed, 1e-9), elapsed)
-        memory_report(memory, args, console)
-        text = bytes(sample[0].tolist()).decode("utf-8", errors="replace")
-        console.print("sample:", repr(text))
-        if ledger is not None and ledger.steps:
-            bad = len(ledger.mismatched_steps)
-            console.print(format_ledger(ledger.last), f"\n{bad} step(s) differed", highlight=False)
-    dist.barrier()
-    if owns_group:
-        dist.destroy_process_group()
-    return logged
+    if run.rank != 0:
+        return
+    console = shown.console
+    if shown.progress is not None:
+        shown.progress.stop()
+    report(console, run.logged, everyone, run.tokens / max(elapsed, 1e-9), elapsed)
+    memory_report(memory, args, console)
+    text = bytes(sample[0].tolist()).decode("utf-8", errors="replace")
+    console.print("sample:", repr(text))
+    ledger = run.ledger
+    if ledger is not None and ledger.steps:
+        bad = len(ledger.mismatched_steps)
+        console.print(format_ledger(ledger.last), f"\n{bad} step(s) differed", highlight=False)
 
 
 def start_memory_tracker(args, model, opt):

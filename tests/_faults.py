@@ -134,74 +134,114 @@ def _write_verdict(e, path: str) -> None:
 def _train(rank: int, world: int, fault: str, outdir: str, timeout: float) -> None:
     import torch
 
-    import fsdp2._collectives as C
     from device_mesh import init_device_mesh
-    from dtensor import DTensor, Partial, Replicate, Shard, debug, distribute_tensor
-    from dtensor import checkpoint as dcp
+    from dtensor import debug
     from fsdp2 import fully_shard
 
-    faulty = rank == 1
-    device = _device()
-    mesh = init_device_mesh(device, (world,), mesh_dim_names=("dp",))
-    model = _model().to(device)
+    job = _Job(rank, world, fault, outdir, timeout)
+    mesh = init_device_mesh(job.device, (world,), mesh_dim_names=("dp",))
+    model = _model().to(job.device)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank)).to(device)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank)).to(job.device)
     for step in range(1, STEPS_FOR.get(fault, STEPS) + 1):
-        armed = faulty and step == FAULT_STEP
         if fault == "skip_step":
-            if step == FAULT_STEP:  # every rank computes a while per block, as above
-                for block in model.blocks:
-                    block.register_forward_pre_hook(lambda m, a: time.sleep(timeout / 4))
-            if armed:
-                _mark_fault(outdir)
+            if job.skips(step, model):
                 continue
             debug.new_step(step)
-        if step == FAULT_STEP and fault == "skip_all_gather":
-            # every rank computes a while per block (a real step's pace, slower than the
-            # watchdog's poll); gloo aborts a rank outright once mismatched sizes meet
-            for block in model.blocks:
-                block.register_forward_pre_hook(lambda m, a: time.sleep(timeout / 2))
-            if faulty:
-                _skip_one_all_gather(C, outdir)
-        if armed and fault in ("exit", "kill", "raise_forward"):
-            model.blocks[1].register_forward_pre_hook(lambda m, a: _die(fault, outdir))
-        if armed and fault == "raise_backward":
-            model.blocks[0].register_full_backward_pre_hook(lambda m, g: _die(fault, outdir))
-        if armed and fault == "raise_in_collective":
-            _raise_in_wait(C, outdir)
-        if armed and fault == "sleep":
-            _mark_fault(outdir)
-            time.sleep(3 * timeout)
-        if step == FAULT_STEP and fault == "blocked":
-            _block(faulty, outdir, timeout)
-        if armed and fault == "extra_forward":
-            _mark_fault(outdir)
-            model(x)
+        job.arm(step, model, x)
         loss = model(x).square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
         with open(os.path.join(outdir, f"done-{rank}"), "w") as f:
             f.write(str(step))
-        if step == FAULT_STEP:  # a DTensor collective outside FSDP
-            t = distribute_tensor(torch.arange(8.0 * world, device=device), mesh, [Shard(0)])
-            if faulty and fault == "other_collective":  # an all-reduce of the same bytes
-                _mark_fault(outdir)
-                p = DTensor.from_local(t.to_local().clone(), mesh, [Partial()], run_check=False)
-                p.redistribute(mesh, [Replicate()]).to_local()
-            else:
-                t.redistribute(mesh, [Replicate()]).to_local()
+        if step == FAULT_STEP:
+            job.collective_outside_fsdp(mesh)
         if step in (1, 3):  # the same checkpoint id: step 3's save replaces step 1's
-            if faulty and fault == "kill_in_save" and step == 3:
-                _kill_inside_save(outdir)
-            sd = {"model": model.state_dict()}
-            dcp.save(sd, checkpoint_id=os.path.join(outdir, "ckpt"))
-            full = {k: v.full_tensor() for k, v in sd["model"].items()}
-            if rank == 0:
-                torch.save(full, os.path.join(outdir, f"expected-{step}.pt"))
+            job.save(step, model)
+
+
+class _Job:
+    """One rank's fault (or none) and the steps around it."""
+
+    def __init__(self, rank: int, world: int, fault: str, outdir: str, timeout: float) -> None:
+        self.rank, self.world, self.fault, self.outdir = rank, world, fault, outdir
+        self.timeout = timeout
+        self.faulty = rank == 1
+        self.device = _device()
+
+    def _slow_blocks(self, model, seconds: float) -> None:
+        """Every rank computes a while per block (a real step's pace, slower than the
+        watchdog's poll); gloo aborts a rank outright once mismatched sizes meet."""
+        for block in model.blocks:
+            block.register_forward_pre_hook(lambda m, a: time.sleep(seconds))
+
+    def skips(self, step: int, model) -> bool:
+        """``skip_step``: whether this rank skips ``step`` whole."""
+        if step != FAULT_STEP:
+            return False
+        self._slow_blocks(model, self.timeout / 4)
+        if self.faulty:
+            _mark_fault(self.outdir)
+        return self.faulty
+
+    def arm(self, step: int, model, x) -> None:
+        """Inject this job's fault before ``step``'s forward, if it is due."""
+        import fsdp2._collectives as C
+
+        fault, outdir = self.fault, self.outdir
+        if step == FAULT_STEP and fault == "skip_all_gather":
+            self._slow_blocks(model, self.timeout / 2)
+            if self.faulty:
+                _skip_one_all_gather(C, outdir)
+        if step == FAULT_STEP and fault == "blocked":
+            _block(self.faulty, outdir, self.timeout)
+        if not (self.faulty and step == FAULT_STEP):
+            return
+        if fault in ("exit", "kill", "raise_forward"):
+            model.blocks[1].register_forward_pre_hook(lambda m, a: _die(fault, outdir))
+        elif fault == "raise_backward":
+            model.blocks[0].register_full_backward_pre_hook(lambda m, g: _die(fault, outdir))
+        elif fault == "raise_in_collective":
+            _raise_in_wait(C, outdir)
+        elif fault == "sleep":
+            _mark_fault(outdir)
+            time.sleep(3 * self.timeout)
+        elif fault == "extra_forward":
+            _mark_fault(outdir)
+            model(x)
+
+    def collective_outside_fsdp(self, mesh) -> None:
+        """A DTensor collective; ``other_collective``'s rank issues an all-reduce of the same
+        bytes where the others all-gather."""
+        import torch
+
+        from dtensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+        t = distribute_tensor(torch.arange(8.0 * self.world, device=self.device), mesh, [Shard(0)])
+        if self.faulty and self.fault == "other_collective":
+            _mark_fault(self.outdir)
+            p = DTensor.from_local(t.to_local().clone(), mesh, [Partial()], run_check=False)
+            p.redistribute(mesh, [Replicate()]).to_local()
+        else:
+            t.redistribute(mesh, [Replicate()]).to_local()
+
+    def save(self, step: int, model) -> None:
+        """Save to ``outdir/ckpt``; rank 0 writes the full values it expects to load back."""
+        import torch
+
+        from dtensor import checkpoint as dcp
+
+        if self.faulty and self.fault == "kill_in_save" and step == 3:
+            _kill_inside_save(self.outdir)
+        sd = {"model": model.state_dict()}
+        dcp.save(sd, checkpoint_id=os.path.join(self.outdir, "ckpt"))
+        full = {k: v.full_tensor() for k, v in sd["model"].items()}
+        if self.rank == 0:
+            torch.save(full, os.path.join(self.outdir, f"expected-{step}.pt"))
 
 
 def _block(faulty: bool, outdir: str, timeout: float) -> None:
