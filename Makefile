@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 NPROC ?= 2
 TRAIN_SCRIPT ?= $(if $(wildcard examples/train_gpt.py),examples/train_gpt.py,examples/mesh_demo.py)
 
-.PHONY: test test-torch gpu-check property train train-2d lint bench soak clean
+.PHONY: test test-all test-torch gpu-check property train train-2d lint bench soak clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,13 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -x -q tests
+
+# Everything, nightly-style (about 15 minutes on 2 cores): the tests make test skips as
+# long-running (marked nightly: elastic restarts, the soak sample), the whole fault matrix
+# (FAULTS_FULL), the 8-process tests, then the long property profiles (make property).
+test-all: $(VENV)/.installed
+	TEST_ALL=1 FAULTS_FULL=1 $(PY) -m pytest -x -q tests --world-size-8
+	HYPOTHESIS_PROFILE=long $(PY) -m pytest -q tests/test_properties_dtensor.py tests/test_properties_fake_pg.py
 
 # The suite on another supported PyTorch (2.11, 2.12 or 2.13): `make test-torch VERSION=2.11`.
 # A venv of its own, .venv-torch$(VERSION), with that torch from the package registry (on

@@ -138,7 +138,7 @@ class WorkerPool:
         while pending:
             now = time.monotonic()
             if now > deadline:
-                self.shutdown()
+                self.shutdown(polite=False)  # a rank that hangs will not answer a request
                 detail = "".join(f"\n----- rank {r} -----\n{tb}" for r, tb in errors.items())
                 raise PoolBroken(
                     f"rank(s) {sorted(pending)} of {self.world_size} did not finish task "
@@ -168,15 +168,16 @@ class WorkerPool:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self._procs)
 
-    def shutdown(self) -> None:
-        """Stop the workers this pool started: ask politely, then terminate, then kill."""
+    def shutdown(self, polite: bool = True) -> None:
+        """Stop the workers this pool started: ask politely (unless told the workers hang),
+        then terminate, then kill."""
         for q, p in zip(self._tasks, self._procs):
-            if p.is_alive():
+            if polite and p.is_alive():
                 try:
                     q.put(None)
                 except (OSError, ValueError):
                     pass
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + (5.0 if polite else 0.0)
         for p in self._procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self._procs:

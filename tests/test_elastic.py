@@ -188,6 +188,7 @@ def elastic_and_reference(directory: Path, steps: int = 20, every: int = 4):
     return lines, before, after, reference
 
 
+@pytest.mark.nightly  # torchrun restarts: make test-all runs it
 @pytest.mark.timeout(600)  # about 40 s alone; 11 torch imports on a loaded machine take long
 def test_killed_node_resumes_at_world_size_3_as_a_run_from_the_checkpoint(tmp_path):
     lines, before, after, reference = elastic_and_reference(tmp_path)

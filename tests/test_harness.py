@@ -31,7 +31,7 @@ def test_hung_collective_fails_within_bounded_time_and_pool_is_rebuilt():
     pool = harness.get_pool(2)
     pids = pool.pids
     with pytest.raises(PoolBroken, match="did not finish"):
-        run_on_ranks(2, _hang_on_rank_0)
+        run_on_ranks(2, _hang_on_rank_0, timeout_s=2.0)  # bounded by the task's timeout
     for pid in pids:  # the old workers are gone: reaped, not left behind
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

@@ -187,6 +187,8 @@ def test_a_rank_that_ran_ahead_is_not_called_behind(tmp_path, record_property):
         assert "state published " in logs[0], logs[0][-3000:]
 
 
+@pytest.mark.slow
+@full_matrix
 def test_a_verdict_no_thread_receives_ends_the_process_after_the_grace(tmp_path):
     """Where the program waits inside the backend (a synchronous collective of its own) or
     sleeps, no wait of ours can raise the verdict: after the grace period (1 s here) the

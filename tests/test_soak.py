@@ -15,6 +15,7 @@ import pytest
 from tests import soak
 
 
+@pytest.mark.nightly  # 50 s of make test's time; make test-all runs it
 @pytest.mark.parametrize("layout", ["fsdp", "2d"])
 def test_nothing_grows_over_60_steps_and_3_checkpoints(layout, tmp_path):
     # one block of width 128: the TP activations (4 x 64 x 128 floats) still use the workspace

@@ -341,6 +341,8 @@ def _torchtitan_activation_checkpointing(ac: str):
         )
 
 
-@pytest.mark.parametrize("ac", ["full", "selective"])
+@pytest.mark.parametrize(  # selective takes 8 s (its op-level policy): make test-all runs it
+    "ac", ["full", pytest.param("selective", marks=pytest.mark.nightly)]
+)
 def test_torchtitan_activation_checkpointing_over_fully_shard(ac):
     run_on_ranks(2, _torchtitan_activation_checkpointing, ac=ac, timeout_s=300)
