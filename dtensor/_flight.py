@@ -51,6 +51,12 @@ A collective that raises (a peer died, gloo's own timeout) goes through :func:`f
 error keeps its type, gains a note with the same analysis (and which peers on this host are
 no longer running), and the analysis is logged.
 
+[Note: a new world] A program that recovers in-process (destroys the default group and
+makes a new one) starts a new record: no verdict, step numbers from the start on every
+thread, and the new world's first watchdog deletes the old verdict and its acknowledgements
+from the store (under torchrun the agent's store outlives a process group). Peers' states
+are overwritten as each rank's new watchdog publishes.
+
 Collectives inside a compiled graph run outside Python and are not noted; a group that has
 had one traced (:func:`untracked`) is no longer compared between ranks (its counts may
 differ legitimately: one rank compiled, another fell back to eager).
@@ -150,6 +156,8 @@ _lock = threading.Lock()  # group creation and resets (not the per-note path)
 _watchdog: _Watchdog | None = None
 _verdict: dict | None = None  # the verdict of the current default group, once reached
 _delivered = threading.Event()  # a thread of the program received it as an exception
+_world_gen = 0  # bumped with every new default group; threads' step numbers are per world
+_fresh_world = False  # the next watchdog is this world's first: it clears stale verdict keys
 
 
 class OutOfStepError(RuntimeError):
@@ -167,7 +175,7 @@ class OutOfStepError(RuntimeError):
         ...     train_step()
         ... except OutOfStepError as e:
         ...     print(e.rank, e.collective, e.module)
-        ...     dist.destroy_process_group()   # then start again, or end the process
+        ...     sys.exit(EXIT_CODE)   # restart from a checkpoint (docs/debugging.md)
     """
 
     def __init__(self, report: str, *, rank=None, group=None, collective=None, module=None):
@@ -203,9 +211,13 @@ def _resolve(group) -> _Group | None:
 
 
 def _clear_verdict() -> None:
-    global _verdict
+    """A new default group: no verdict, no step numbers, stale verdict keys go
+    ([Note: a new world])."""
+    global _verdict, _world_gen, _fresh_world
     _verdict = None
     _delivered.clear()
+    _world_gen += 1
+    _fresh_world = True
 
 
 def _new_group(group) -> _Group | None:
@@ -258,8 +270,9 @@ def new_step(number: int | None = None) -> None:
     collectives carry the step's number. ``number`` None (fsdp2's root forward) counts
     steps that issue a collective; a number given once makes the thread's steps the
     caller's from then on (the automatic calls are ignored)."""
+    _this_world_steps()
     if number is None:
-        if getattr(_local, "numbered", False):
+        if _local.numbered:
             return
         _local.pending = True
     else:
@@ -272,11 +285,22 @@ def new_step(number: int | None = None) -> None:
 
 def _current_step() -> int | None:
     """This thread's step for the collective being noted (None: no step was begun)."""
-    pending = getattr(_local, "pending", None)
+    if getattr(_local, "gen", None) != _world_gen:
+        return None  # no step begun on this thread in this world
+    pending = _local.pending
     if pending is not None:  # the first collective of a new step
         _local.pending = None
-        _local.step = (getattr(_local, "step", None) or 0) + 1 if pending is True else pending
-    return getattr(_local, "step", None)
+        _local.step = (_local.step or 0) + 1 if pending is True else pending
+    return _local.step
+
+
+def _this_world_steps() -> None:
+    """This thread's step state, begun afresh in each new default group (a program that
+    recovered in-process numbers the new world's steps from the start, on every rank)."""
+    if getattr(_local, "gen", None) != _world_gen:
+        _local.gen = _world_gen
+        _local.step = _local.pending = None
+        _local.numbered = False
 
 
 def wait(work, *, point_to_point: bool = False) -> None:
@@ -302,8 +326,10 @@ def wait(work, *, point_to_point: bool = False) -> None:
             return
         except RuntimeError as e:
             if _verdict is not None:
-                raise _deliver() from None
-            if "timed out" not in str(e):
+                raise _deliver() from e
+            # a slice that ran out leaves the work pending; a work that failed is completed
+            # (its error could say "timed out" too: a TCP connection's)
+            if work.is_completed() or "Operation timed out" not in str(e):
                 raise
 
 
@@ -489,6 +515,29 @@ def _default_store():
     return store
 
 
+def _clear_stale_keys(store) -> None:
+    """The first watchdog of a new default group removes an earlier world's verdict and
+    acknowledgements from the store ([Note: a new world])."""
+    global _fresh_world
+    if not _fresh_world:
+        return
+    _fresh_world = False
+    for key in (_VERDICT, _ACKS):
+        try:
+            store.delete_key(key)
+        except Exception:  # a store without delete_key: nothing was published there
+            pass
+
+
+def _slices_waits() -> bool:
+    """Whether waits are sliced: gloo is the default group's backend and no CUDA device is
+    visible (where one is, a work may be NCCL's, whose timed wait blocks the CPU thread and
+    raises its own timeout: those waits stay whole, and the grace period applies)."""
+    import torch
+
+    return dist.get_backend() == "gloo" and not torch.cuda.is_available()
+
+
 class _Stop(Exception):
     """A verdict was reached: this watchdog's record is over."""
 
@@ -512,13 +561,15 @@ class _Watchdog(threading.Thread):
         self.timeout = timeout
         self.poll = min(1.0, max(0.05, timeout / 8))
         # gloo's work is waited on in slices (interruptible); NCCL's wait returns at once
-        self.slice = timedelta(seconds=self.poll) if dist.get_backend() == "gloo" else None
+        self.slice = timedelta(seconds=self.poll) if _slices_waits() else None
         self.published = -1
         self.last_read: dict[int, dict] = {}  # peers' states as last read (the store may die)
         self._decoded: dict[int, tuple] = {}  # rank -> (bytes, state): one store, one pair
         self.since: dict[tuple, float] = {}  # (group, my seq, peer, its seq) -> first seen
         self._halt = threading.Event()
         self._wake = threading.Event()
+        self.last_pass = 0.0  # time.monotonic() of the last publish-and-compare
+        _clear_stale_keys(self.store)
         self.publish()  # at once: peers can name this process (pid, host) even if it dies soon
 
     def stop(self) -> None:
@@ -527,8 +578,10 @@ class _Watchdog(threading.Thread):
         self.name = "dtensor-flight-recorder (stopping)"  # ends within a poll
 
     def wake(self) -> None:
-        """Publish and compare now rather than at the next poll (a step began)."""
-        self._wake.set()
+        """Publish and compare now rather than at the next poll (a step began); at most
+        four passes a poll, however short the steps."""
+        if time.monotonic() - self.last_pass >= self.poll / 4:
+            self._wake.set()
 
     def run(self) -> None:
         failures = 0
@@ -537,6 +590,7 @@ class _Watchdog(threading.Thread):
             self._wake.clear()
             if self._halt.is_set() or self.world() is not dist.group.WORLD:
                 return  # stopped, or the default group was destroyed: this record is over
+            self.last_pass = time.monotonic()
             try:
                 self.step()
                 failures = 0
@@ -647,6 +701,8 @@ class _Watchdog(threading.Thread):
         threads, and apply the grace period ([Note: a verdict is raised]). Ends the record."""
         global _verdict
         names = list(_groups) if names is None else names
+        if self.world() is not dist.group.WORLD:
+            raise _Stop  # the world this verdict is about was replaced meanwhile
         _verdict = verdict  # waits raise from now on
         logger.error("rank %d: %s\n%s", self.rank, verdict["report"], _own_entries(names))
         try:
@@ -679,7 +735,7 @@ def _exit_without_waiting() -> None:
         "the collective it interrupted (the backend would wait for its timeout)",
         EXIT_CODE,
     )
-    _flush_logs()
+    logging.shutdown()  # every handler flushed and closed: nothing after this logs
     os._exit(EXIT_CODE)
 
 

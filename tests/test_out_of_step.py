@@ -424,3 +424,71 @@ def test_fsdp_collectives_are_recorded_with_their_module():
     from tests.harness import run_on_ranks
 
     run_on_ranks(2, _records_fsdp_scopes)
+
+
+# ------------------------------------------------------------------ waits and step numbers
+def test_step_numbers_count_steps_that_communicate_and_follow_the_loop():
+    """``new_step()`` numbers steps that issue a collective (two marks with none between are
+    one step); a number from the loop wins from then on; a new default group starts over."""
+    import threading
+
+    from dtensor import _flight
+
+    seen = []
+
+    def thread_body():
+        _flight.new_step()
+        _flight.new_step()  # no collective since the last mark: the same step
+        seen.append(_flight._current_step())
+        seen.append(_flight._current_step())  # the step's later collectives
+        _flight.new_step()
+        seen.append(_flight._current_step())
+        _flight.new_step(7)  # the loop's own number
+        seen.append(_flight._current_step())
+        _flight.new_step()  # fully_shard's automatic mark: ignored from now on
+        seen.append(_flight._current_step())
+        _flight.new_step(8)
+        seen.append(_flight._current_step())
+        _flight._clear_verdict()  # what a new default group does
+        seen.append(_flight._current_step())
+
+    t = threading.Thread(target=thread_body)
+    t.start()
+    t.join()
+    assert seen == [1, 1, 2, 7, 7, 8, None], seen
+
+
+def _a_verdict_interrupts_a_wait():
+    import threading
+    import time as _time
+
+    import torch.distributed as dist
+
+    from dtensor import _flight
+
+    t = torch.ones(2)
+    debug.note_collective("all_reduce", None, 8)  # recorded as user code should: the
+    w = _flight._watchdog  # recorder (and its watchdog) are running
+    assert w is not None and w.slice is not None, "the pool's gloo waits are sliced"
+    if dist.get_rank() == 0:
+        work = dist.all_reduce(t, async_op=True)  # rank 1 joins 2 slices later
+        _flight._delivered.set()  # (no peer to wait for: this is not the watchdog's verdict)
+        verdict = {"report": "test verdict", "rank": 1, "group": "0", "collective": "#1 x"}
+        threading.Timer(0.2, lambda: setattr(_flight, "_verdict", verdict)).start()
+        start = _time.monotonic()
+        with pytest.raises(debug.OutOfStepError) as e:
+            _flight.wait(work)
+        assert e.value.rank == 1 and e.value.collective == "#1 x", e.value
+        assert _time.monotonic() - start < 2 * w.poll + 1.0  # within a slice, not at the end
+        _flight._clear_verdict()  # as a new world would (else exit would end this worker)
+        work.wait()  # the interrupted collective completes when rank 1 joins
+    else:
+        _time.sleep(2 * w.poll + 0.5)
+        dist.all_reduce(t)
+    assert t.tolist() == [2.0, 2.0]
+
+
+def test_a_verdict_interrupts_a_gloo_wait():
+    from tests.harness import run_on_ranks
+
+    run_on_ranks(2, _a_verdict_interrupts_a_wait)
