@@ -42,8 +42,9 @@ library, NCCL's work behind a CUDA synchronization - the watchdog ends the proce
 restarts the job rather than leave it hung until the backend's own timeout.
 
 [Note: steps in the record] ``new_step`` (fsdp2's root forward calls it; a training loop may
-pass its own step number) makes the calling thread's next collectives carry the step, and
-wakes the watchdog: a rank that runs an extra forward, or skips a step the loop numbers,
+pass its own step number) makes the calling thread's next collectives carry the step - each
+group counts the steps in which it has a collective, so ranks that ran other steps on other
+groups still agree - and wakes the watchdog: a rank that runs an extra forward, or skips a step the loop numbers,
 issues collectives whose descriptions differ from its peers' at the same sequence number,
 found when the next step begins rather than when the job hangs at its end.
 
@@ -65,6 +66,7 @@ differ legitimately: one rank compiled, another fell back to eager).
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import logging
 import os
@@ -134,7 +136,7 @@ class _Config:
 class _Group:
     """One process group's record on this rank."""
 
-    __slots__ = ("ref", "name", "ranks", "seq", "crc", "ring", "untracked")
+    __slots__ = ("ref", "name", "ranks", "seq", "crc", "ring", "untracked", "step", "epoch")
 
     def __init__(self, group, name: str, ranks: tuple[int, ...], entries: int) -> None:
         self.ref = weakref.ref(group)
@@ -144,6 +146,8 @@ class _Group:
         self.crc = 0
         self.ring: deque = deque(maxlen=entries)
         self.untracked = False
+        self.step = 0  # steps (marked by new_step) in which this group had a collective
+        self.epoch = None  # the mark of the last of them
 
 
 # entry: (seq, kind, label, group_size, nbytes, scope, crc after it, wall time)
@@ -157,6 +161,7 @@ _watchdog: _Watchdog | None = None
 _verdict: dict | None = None  # the verdict of the current default group, once reached
 _delivered = threading.Event()  # a thread of the program received it as an exception
 _world_gen = 0  # bumped with every new default group; threads' step numbers are per world
+_MARKS = itertools.count(1)  # new_step's marks, unique across threads
 _fresh_world = False  # the next watchdog is this world's first: it clears stale verdict keys
 
 
@@ -255,7 +260,7 @@ def note(kind: str, label, group_size: int, nbytes: int, group) -> None:
         return
     seq = g.seq + 1
     scope = getattr(_local, "scope", None)
-    step = _current_step()
+    step = _step_for(g)
     text = f"{kind}|{label}|{group_size}|{scope}" if step is None else (
         f"{kind}|{label}|{group_size}|{scope}|{step}"
     )
@@ -267,31 +272,37 @@ def note(kind: str, label, group_size: int, nbytes: int, group) -> None:
 
 def new_step(number: int | None = None) -> None:
     """A training step begins on this thread ([Note: steps in the record]): its next
-    collectives carry the step's number. ``number`` None (fsdp2's root forward) counts
-    steps that issue a collective; a number given once makes the thread's steps the
-    caller's from then on (the automatic calls are ignored)."""
+    collectives carry the step's number. ``number`` None (fsdp2's root forward): each group
+    counts the steps in which it has a collective; a number given once makes the thread's
+    steps the caller's from then on (the automatic calls are ignored)."""
     _this_world_steps()
     if number is None:
         if _local.numbered:
             return
-        _local.pending = True
+        _local.epoch = next(_MARKS)
     else:
         _local.numbered = True
-        _local.pending = int(number)
+        _local.number = int(number)
     w = _watchdog
     if w is not None:
         w.wake()
 
 
-def _current_step() -> int | None:
-    """This thread's step for the collective being noted (None: no step was begun)."""
+def _step_for(g: _Group) -> int | None:
+    """The step a collective of group ``g`` on this thread carries (None: no step begun
+    on this thread in this world). Counted per group, so ranks that ran other steps on
+    other groups (a sub-mesh's model, an evaluation on some ranks) agree on this one."""
     if getattr(_local, "gen", None) != _world_gen:
-        return None  # no step begun on this thread in this world
-    pending = _local.pending
-    if pending is not None:  # the first collective of a new step
-        _local.pending = None
-        _local.step = (_local.step or 0) + 1 if pending is True else pending
-    return _local.step
+        return None
+    if _local.numbered:
+        return _local.number
+    epoch = _local.epoch
+    if epoch is None:
+        return None
+    if g.epoch != epoch:  # the group's first collective of a new step
+        g.epoch = epoch
+        g.step += 1
+    return g.step
 
 
 def _this_world_steps() -> None:
@@ -299,7 +310,7 @@ def _this_world_steps() -> None:
     recovered in-process numbers the new world's steps from the start, on every rank)."""
     if getattr(_local, "gen", None) != _world_gen:
         _local.gen = _world_gen
-        _local.step = _local.pending = None
+        _local.epoch = _local.number = None
         _local.numbered = False
 
 

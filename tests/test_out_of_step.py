@@ -428,34 +428,39 @@ def test_fsdp_collectives_are_recorded_with_their_module():
 
 # ------------------------------------------------------------------ waits and step numbers
 def test_step_numbers_count_steps_that_communicate_and_follow_the_loop():
-    """``new_step()`` numbers steps that issue a collective (two marks with none between are
-    one step); a number from the loop wins from then on; a new default group starts over."""
+    """``new_step()`` numbers, per group, the steps in which the group has a collective (two
+    marks with none between are one step; a step on another group does not count here); a
+    number from the loop wins from then on; a new default group starts over."""
     import threading
+    from types import SimpleNamespace
 
     from dtensor import _flight
 
     seen = []
 
     def thread_body():
+        g, other = SimpleNamespace(step=0, epoch=None), SimpleNamespace(step=0, epoch=None)
         _flight.new_step()
         _flight.new_step()  # no collective since the last mark: the same step
-        seen.append(_flight._current_step())
-        seen.append(_flight._current_step())  # the step's later collectives
+        seen.append(_flight._step_for(g))
+        seen.append(_flight._step_for(g))  # the step's later collectives
         _flight.new_step()
-        seen.append(_flight._current_step())
+        seen.append(_flight._step_for(other))  # a step with collectives on another group only
+        _flight.new_step()
+        seen.append(_flight._step_for(g))
         _flight.new_step(7)  # the loop's own number
-        seen.append(_flight._current_step())
+        seen.append(_flight._step_for(g))
         _flight.new_step()  # fully_shard's automatic mark: ignored from now on
-        seen.append(_flight._current_step())
+        seen.append(_flight._step_for(g))
         _flight.new_step(8)
-        seen.append(_flight._current_step())
+        seen.append(_flight._step_for(g))
         _flight._clear_verdict()  # what a new default group does
-        seen.append(_flight._current_step())
+        seen.append(_flight._step_for(g))
 
     t = threading.Thread(target=thread_body)
     t.start()
     t.join()
-    assert seen == [1, 1, 2, 7, 7, 8, None], seen
+    assert seen == [1, 1, 1, 2, 7, 7, 8, None], seen
 
 
 def _a_verdict_interrupts_a_wait():
@@ -480,7 +485,8 @@ def _a_verdict_interrupts_a_wait():
             _flight.wait(work)
         assert e.value.rank == 1 and e.value.collective == "#1 x", e.value
         assert _time.monotonic() - start < 2 * w.poll + 1.0  # within a slice, not at the end
-        _flight._clear_verdict()  # as a new world would (else exit would end this worker)
+        _flight._verdict = None  # (else this worker would end at exit; a new world clears it)
+        _flight._delivered.clear()
         work.wait()  # the interrupted collective completes when rank 1 joins
     else:
         _time.sleep(2 * w.poll + 0.5)
