@@ -322,6 +322,7 @@ def _dying_saver(rank: int, port: int, directory: str) -> None:
     os._exit(0)  # not reached on a healthy run of this test: rank 0 sees rank 1 die
 
 
+@pytest.mark.nightly  # make test keeps test_out_of_step's kill_in_save: the same promise
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     path = tmp_path / "ckpt"
     dcp.save({"w": torch.arange(42.0).reshape(7, 6)}, checkpoint_id=path)

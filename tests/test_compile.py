@@ -130,7 +130,10 @@ def test_per_block_compile_under_fsdp_matches_eager_inductor():
 
 @pytest.mark.parametrize(
     "variant",
-    [{"reshard": False}, {"bf16": True}, {"ac": True}, {"whole": True}, {"step": True}],
+    [
+        {"reshard": False}, {"bf16": True}, {"ac": True}, {"whole": True},
+        pytest.param({"step": True}, marks=pytest.mark.nightly),  # 6 s: make test-all
+    ],
     ids=[
         "no_reshard_after_forward",
         "bf16",

@@ -33,7 +33,7 @@ from torch import nn
 from tests.harness import run_on_ranks
 
 FIXED_SEEDS = list(range(14)) + [1004]  # 1004: a tie pending through a list call
-NIGHTLY_SEEDS = set(range(7, 14))  # make test-all only: make test stays within five minutes
+NIGHTLY_SEEDS = {2, 3, *range(7, 14)}  # make test-all only: make test stays within 5 minutes
 PER_RANK = 2
 SEQ = 3
 

@@ -61,6 +61,7 @@ def test_cpu_mode_runs_every_part_and_writes_the_report(tmp_path):
         assert heading in md, md
 
 
+@pytest.mark.nightly  # 9 s of waiting on a hung part: make test-all
 def test_a_part_over_its_budget_is_reported_and_the_next_part_runs(tmp_path):
     # the dispatch part hangs (a test hook) and is killed at its 8 s + 1.6 s of grace; the
     # planner then runs on what is left (about 5 s: it takes 2), finds no speed results and
