@@ -33,13 +33,17 @@ thread that waits on a collective: the library waits on gloo's collectives in sl
 one poll (:func:`wait`), so a wait that would never end is interrupted, and every later wait
 raises at once until the default group is replaced. A point-to-point wait cannot be sliced
 (gloo cancels a receive whose timed wait expires): it ends when a peer that raised ends
-(the connection closes, and ``failing`` turns the error into the verdict). A program can catch it, destroy the process
-group and start again, or let it end the process. Where no thread of ours receives the
-verdict within the grace period (``DTENSOR_VERDICT_GRACE``, 60 s; ``off``: never) - the
-program is blocked where Python cannot interrupt it: a collective issued outside this
-library, NCCL's work behind a CUDA synchronization - the watchdog ends the process with
-``os._exit(EXIT_CODE)`` (75), logging handlers flushed, so that an elastic launcher
-restarts the job rather than leave it hung until the backend's own timeout.
+(the connection closes, and ``failing`` turns the error into the verdict). A program can
+catch it, or let it end the process. By default nothing here ends the process.
+
+Opt-in, for jobs under an elastic launcher: with a grace period (``set_collective_timeout(t,
+grace=s)`` or ``DTENSOR_VERDICT_GRACE``), where no thread of ours receives the verdict
+within it - the program is blocked where Python cannot interrupt it: a collective issued
+outside this library, NCCL's work behind a CUDA synchronization - the watchdog ends the
+process with exit code ``EXIT_CODE`` (75, logging handlers flushed) so that the launcher
+restarts the job rather than leave it hung until the backend's own timeout; and a process
+that received a verdict ends at exit the same way, without waiting for the collective the
+verdict interrupted (gloo holds the exit until that collective's timeout).
 
 [Note: steps in the record] ``new_step`` (fsdp2's root forward calls it; a training loop may
 pass its own step number) makes the calling thread's next collectives carry the step - each
@@ -71,7 +75,6 @@ import json
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 import weakref
@@ -91,7 +94,6 @@ ENV_TIMEOUT = "DTENSOR_COLLECTIVE_TIMEOUT"
 ENV_RECORDER = "DTENSOR_FLIGHT_RECORDER"
 ENV_ENTRIES = "DTENSOR_FLIGHT_ENTRIES"
 ENV_GRACE = "DTENSOR_VERDICT_GRACE"
-DEFAULT_GRACE = 60.0
 DEFAULT_ENTRIES = 64
 _PUBLISHED = 16  # entries per group in the published state
 _PREFIX = "dtensor_flight/"
@@ -130,7 +132,7 @@ class _Config:
     enabled = env_switch(ENV_RECORDER, default=True)
     timeout: float | None = _env_float(ENV_TIMEOUT, None)  # None: the default group's
     entries = _env_entries()
-    grace: float | None = _env_float(ENV_GRACE, DEFAULT_GRACE) or None  # None: never exit
+    grace: float | None = _env_float(ENV_GRACE, None) or None  # None (default): never exit
 
 
 class _Group:
@@ -722,48 +724,41 @@ class _Watchdog(threading.Thread):
             pass
         grace = _Config.grace
         if grace and not _delivered.wait(grace):
-            logger.error(
-                "rank %d: no thread received the verdict within %g s (the program is blocked "
-                "where it cannot be interrupted); ending this process with exit code %d.",
-                self.rank,
-                grace,
-                EXIT_CODE,
+            _end_process(
+                f"rank {self.rank}: no thread received the verdict within {grace:g} s (the "
+                "program is blocked where it cannot be interrupted)"
             )
-            _flush_logs()
-            os._exit(EXIT_CODE)
         raise _Stop
 
 
 def _exit_without_waiting() -> None:
-    """At exit, a process that received a verdict ends at once, with ``EXIT_CODE``: the
-    collective the verdict interrupted is still pending in the backend, and gloo's process
-    group would wait for its timeout (30 minutes by default) before letting the process end."""
+    """At exit after a verdict this process received, the collective the verdict
+    interrupted is still pending, and gloo's process group holds the exit until its timeout
+    (30 minutes by default). With the opt-in grace policy the process ends at once; without
+    it, the wait is said, with the setting that avoids it."""
     world = _world() if _world is not None else None
     if _verdict is None or not _delivered.is_set() or world is None or world is not dist.group.WORLD:
         return
+    if _Config.grace:
+        _end_process("exiting after the flight recorder's verdict")
     logger.warning(
-        "ending with exit code %d after the flight recorder's verdict, without waiting for "
-        "the collective it interrupted (the backend would wait for its timeout)",
+        "exiting after the flight recorder's verdict: the backend may hold the exit until the "
+        "interrupted collective's timeout; set_collective_timeout(t, grace=s) (or %s) ends "
+        "such a process at once, with exit code %d",
+        ENV_GRACE,
         EXIT_CODE,
     )
-    logging.shutdown()  # every handler flushed and closed: nothing after this logs
+
+
+def _end_process(why: str) -> None:
+    """The opt-in grace policy ([Note: a verdict is raised]): log why, flush every handler,
+    end the process with ``EXIT_CODE`` for the launcher to restart the job."""
+    logger.error("%s; ending this process with exit code %d (grace policy).", why, EXIT_CODE)
+    logging.shutdown()
     os._exit(EXIT_CODE)
 
 
 atexit.register(_exit_without_waiting)
-
-
-def _flush_logs() -> None:
-    for h in [*logging.getLogger().handlers, *logger.handlers]:
-        try:
-            h.flush()
-        except Exception:
-            pass
-    for stream in (sys.stderr, sys.stdout):
-        try:
-            stream.flush()
-        except Exception:
-            pass
 
 
 # --------------------------------------------------------------------------- on failure

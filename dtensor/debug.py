@@ -196,17 +196,18 @@ def set_collective_timeout(seconds: float | None, *, grace=...) -> None:
     collective's error still carries the record). The environment variable
     ``DTENSOR_COLLECTIVE_TIMEOUT`` sets the same (seconds, or ``off``).
 
-    ``grace``: how long a verdict may go unreceived - the program is blocked where Python
+    ``grace`` (opt-in; default None: nothing ends the process): for jobs under an elastic
+    launcher, how long a verdict may go unreceived - the program is blocked where Python
     cannot interrupt it (a collective issued outside this library, a CUDA synchronization) -
     before the watchdog ends the process with exit code ``FLIGHT_EXIT_CODE`` (75) so that
-    an elastic launcher restarts the job; ``None``: never (the program waits for the
-    backend's own timeout). Default 60 s, or ``DTENSOR_VERDICT_GRACE`` (seconds, or ``off``).
-    Call it on every rank.
+    the launcher restarts the job; with it, a process that received a verdict also ends at
+    exit without waiting for the interrupted collective's timeout. Also
+    ``DTENSOR_VERDICT_GRACE`` (seconds). Call it on every rank.
 
     Example::
 
         >>> set_collective_timeout(120.0)
-        >>> set_collective_timeout(120.0, grace=None)   # never end the process from a thread
+        >>> set_collective_timeout(120.0, grace=60.0)   # opt in: end a blocked process
     """
     if seconds is not None and (not isinstance(seconds, (int, float)) or seconds < 0):
         raise ValueError(

@@ -109,7 +109,9 @@ def worker(rank: int, world: int, port: int, fault: str, outdir: str, timeout: f
             world_size=world,
             timeout=timedelta(seconds=60),
         )
-    debug.set_collective_timeout(timeout)
+    # under torchrun (an elastic launcher) the job opts in to the grace policy: a process
+    # that received a verdict ends at exit without waiting for the interrupted collective
+    debug.set_collective_timeout(timeout, grace=30.0 if port == 0 else None)
     try:
         _train(rank, world, fault, outdir, timeout)
     except debug.OutOfStepError as e:  # what a recovery handler does: record, clean up, end
