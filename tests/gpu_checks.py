@@ -11,6 +11,7 @@ without offload, the plain model, or ``torch.cuda``'s own memory counters.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -190,7 +191,16 @@ CHECKS = {
     "parity2": check_parity2,
 }
 
+
+def _init_process_group() -> None:
+    """One NCCL rank per GPU: torchrun sets LOCAL_RANK; the checks read the default group."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+
+
 if __name__ == "__main__":
+    _init_process_group()
     CHECKS[sys.argv[1]]()
     dist.barrier()
     if dist.get_rank() == 0:
