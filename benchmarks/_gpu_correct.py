@@ -57,9 +57,17 @@ def _torchrun(settings: dict, script: str, args: list, nproc: int, timeout: floa
     return _run(settings, cmd, timeout, env={"OMP_NUM_THREADS": "1"})
 
 
+#: A torchrun job on a GPU spends ~10 s starting (interpreter, CUDA context, NCCL) before
+#: its check runs: a share of a small budget below this would kill a check that passes (the
+#: first H100 run killed the bf16 check after it printed "ok").
+MIN_JOB_S = 30.0
+
+
 def _budget(settings: dict, share: float, reserve: float = 5.0) -> float:
-    """``share`` of what is left of the part's budget, less ``reserve`` seconds."""
-    return max(1.0, share * (remaining(settings) - reserve))
+    """``share`` of what is left of the part's budget, less ``reserve`` seconds, but at least
+    ``MIN_JOB_S`` while that much is left."""
+    left = remaining(settings) - reserve
+    return max(1.0, share * left, min(MIN_JOB_S, left))
 
 
 def _step(checks: list, name: str, fn, *args) -> bool:

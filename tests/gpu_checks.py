@@ -196,7 +196,8 @@ def _init_process_group() -> None:
     """One NCCL rank per GPU: torchrun sets LOCAL_RANK; the checks read the default group."""
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    # gloo beside NCCL, as PyTorch's default: CPU offload's full_tensor() gathers host shards
+    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", local))
 
 
 if __name__ == "__main__":
