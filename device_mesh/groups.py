@@ -19,6 +19,7 @@ mesh used after ``destroy_process_group()`` raises instead of reaching a destroy
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import weakref
@@ -217,6 +218,8 @@ def get_group(ranks: tuple[int, ...], backend: str, *, create: bool = True):
         group = dist.group.WORLD
     else:
         real = "fake" if simulated_world() else backend
+        if real == "fake":
+            ensure_fake_backend()
         group = dist.new_group(ranks=list(key[1]), backend=real)
         logger.debug("created %s process group over ranks %s", real, key[1])
     _GROUP_CACHE[key] = hold(group)
@@ -265,3 +268,34 @@ def register_group(group, backend: str) -> None:
     _drop_stale_cache()
     ranks = tuple(sorted(dist.get_process_group_ranks(group)))
     _GROUP_CACHE.setdefault((backend, ranks), hold(group))
+
+
+def backend_of(group, default: str) -> str:
+    """The backend to cache ``group`` under: ``"fake"`` for a fake group in a real world
+    (a ``backend_override`` of PyTorch's mesh), else ``default``.
+
+    Example:
+        >>> backend_of(dist.new_group([0, 1], backend="fake"), "gloo")
+        'fake'
+    """
+    if group is None or group is dist.GroupMember.NON_GROUP_MEMBER or simulated_world():
+        return default
+    try:
+        name = str(dist.get_backend(group)).lower()
+    except (RuntimeError, ValueError):
+        return default
+    return "fake" if name == "fake" else default
+
+
+def ensure_fake_backend() -> None:
+    """Register PyTorch's ``"fake"`` backend (groups that move no data) if it is not yet:
+    ``torch.distributed`` knows its name but makes groups of it only once
+    ``torch.testing._internal.distributed.fake_pg`` registered it, as PyTorch's dry runs and
+    torchtitan's ``ParallelDims`` (a ``backend_override`` of ``"fake"``) expect.
+
+    Example:
+        >>> ensure_fake_backend()
+        >>> dist.new_group([0, 1], backend="fake")
+    """
+    if "FAKE" not in getattr(dist.Backend, "_plugins", {}):
+        importlib.import_module("torch.testing._internal.distributed.fake_pg")

@@ -21,7 +21,11 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from device_mesh import _derive
 from device_mesh import groups as _groups
+from device_mesh._derive import check_dim_names as _check_dim_names
+from device_mesh._override import normalize_backend_override
+from device_mesh._pickle import allow_in_weights_only_load
 from device_mesh.resources import MeshResources
 
 logger = logging.getLogger(__name__)
@@ -35,10 +39,15 @@ class DeviceMesh:
         mesh: the global ranks, as a tensor or nested list, one entry per grid cell. Its
             number of entries must equal the world size and every rank appears once.
         mesh_dim_names: one name per mesh dim, e.g. ``("dp", "tp")``.
+        backend_override: the backend of some mesh dims' groups, one entry per mesh dim
+            (None for the default) or a dict keyed by dim index or name; ``"fake"`` is
+            honoured besides the device's own ([Note: honoured backends] in
+            ``_override.py``).
 
     Raises:
         ValueError: the mesh size differs from the world size, a rank repeats or is out of
-            range, or the names are missing, repeated or of the wrong number.
+            range, the names are missing, repeated or of the wrong number, or a
+            backend_override cannot be honoured.
 
     Example:
         >>> mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
@@ -52,23 +61,31 @@ class DeviceMesh:
         mesh: torch.Tensor | Sequence,
         *,
         mesh_dim_names: tuple[str, ...] | None = None,
+        backend_override=None,
     ) -> None:
         backend = _groups.backend_for(device_type)
-        _groups.ensure_default_group(device_type)
         mesh_tensor = _as_mesh_tensor(mesh)
         names = _check_dim_names(mesh_dim_names, mesh_tensor.ndim, api="DeviceMesh")
+        overrides = normalize_backend_override(
+            backend_override, mesh_tensor.ndim, names, device_type, api="DeviceMesh"
+        )
+        _groups.ensure_default_group(device_type)
         _check_ranks(mesh_tensor, dist.get_world_size())
-        self._init_root(device_type, backend, mesh_tensor, names)
+        self._init_root(device_type, backend, mesh_tensor, names, overrides)
         # held weakly: [Note: weak group references] in groups.py
         self._dim_groups = [_groups.hold(self._create_dim_groups(d)) for d in range(self.ndim)]
         logger.info("built %r", self)
 
-    def _init_root(self, device_type, backend, mesh_tensor, names) -> None:
+    def _init_root(self, device_type, backend, mesh_tensor, names, overrides=None) -> None:
         self._init(device_type, backend, mesh_tensor, names)
+        overrides = tuple(overrides or (None,) * mesh_tensor.ndim)
+        self._dim_backends = tuple(b or backend for b in overrides)
         self._root: DeviceMesh = self
         self._dims: tuple[tuple[int, ...], ...] = tuple((d,) for d in range(mesh_tensor.ndim))
         self._flattened: dict[str, DeviceMesh] = {}
         self._origin = ("root", device_type, mesh_tensor.tolist(), names)
+        if any(b is not None for b in overrides):
+            self._origin += (overrides,)
 
     # ----------------------------------------------------------------------------- building
     def _init(self, device_type, backend, mesh_tensor, names) -> None:
@@ -91,7 +108,7 @@ class DeviceMesh:
         slices = self._mesh.movedim(mesh_dim, -1).reshape(-1, size)
         mine = None
         for row in slices.tolist():
-            group = _groups.get_group(tuple(row), self._backend)
+            group = _groups.get_group(tuple(row), self._dim_backends[mesh_dim])
             if self._rank in row:
                 mine = group
         return mine
@@ -101,7 +118,7 @@ class DeviceMesh:
         if self._coordinate is None:
             return None
         ranks = self.ranks_along(mesh_dim)
-        return _groups.get_group(tuple(ranks), self._backend, create=False)
+        return _groups.get_group(tuple(ranks), self._dim_backends[mesh_dim], create=False)
 
     @classmethod
     def from_group(
@@ -145,6 +162,7 @@ class DeviceMesh:
             )
         out = cls.__new__(cls)
         out._init_root(device_type, backend, mesh_tensor, names)
+        out._dim_backends = tuple(_groups.backend_of(g, backend) for g in groups)
         for d, g in enumerate(groups):
             ranks = dist.get_process_group_ranks(g)
             if out._coordinate is not None and sorted(ranks) != sorted(out.ranks_along(d)):
@@ -152,16 +170,19 @@ class DeviceMesh:
                     f"{api}: group {d} holds ranks {ranks} but this rank's slice of mesh dim "
                     f"{d} is {out.ranks_along(d)}. Pass the groups in mesh-dim order."
                 )
-            _groups.register_group(g, backend)
+            _groups.register_group(g, out._dim_backends[d])
         out._dim_groups = [_groups.hold(g) for g in groups]
         return out
 
     @classmethod
-    def _view(cls, root: DeviceMesh, mesh_tensor, names, dims, dim_groups) -> DeviceMesh:
+    def _view(
+        cls, root: DeviceMesh, mesh_tensor, names, dims, dim_groups, backends=None
+    ) -> DeviceMesh:
         """A sub-mesh of ``root`` sharing its groups (no group is created). ``dims[i]`` are
         the root dims mesh dim ``i`` spans (several for a flattened dim)."""
         sub = cls.__new__(cls)
         sub._init(root._device_type, root._backend, mesh_tensor, names)
+        sub._dim_backends = tuple(backends or (root._backend,) * len(dims))
         sub._root = root
         sub._dims = tuple(dims)
         sub._flattened = {}
@@ -289,7 +310,7 @@ class DeviceMesh:
             if self._dim_names is None or wanted[0] not in self._dim_names:
                 return self._root._flattened[wanted[0]]
         parts = self._resolve_slice(wanted)
-        if [dims for dims, _ in parts] == list(self._dims):
+        if [dims for dims, _, _ in parts] == list(self._dims):
             return self
         if self._coordinate is None:
             raise RuntimeError(
@@ -297,21 +318,22 @@ class DeviceMesh:
                 "slice of it. Slice the mesh only on its member ranks."
             )
         root = self._root
-        selected = [d for dims, _ in parts for d in dims]
+        selected = [d for dims, _, _ in parts for d in dims]
         others = [d for d in range(root.ndim) if d not in selected]
         coord = root.get_coordinate()
         ranks = root._mesh.permute(*others, *selected)[tuple(coord[d] for d in others)]
-        shape = [math.prod(root.shape[d] for d in dims) for dims, _ in parts]
+        shape = [math.prod(root.shape[d] for d in dims) for dims, _, _ in parts]
         return DeviceMesh._view(
             root,
             ranks.reshape(shape),
             wanted,
-            [dims for dims, _ in parts],
-            [group for _, group in parts],
+            [dims for dims, _, _ in parts],
+            [group for _, group, _ in parts],
+            [backend for _, _, backend in parts],
         )
 
-    def _resolve_slice(self, wanted: tuple) -> list[tuple[tuple[int, ...], object]]:
-        """``(root dims, process group)`` for every wanted name, validated."""
+    def _resolve_slice(self, wanted: tuple) -> list[tuple[tuple[int, ...], object, str]]:
+        """``(root dims, process group, backend)`` for every wanted name, validated."""
         api = "DeviceMesh.__getitem__"
         if self._dim_names is None:
             raise RuntimeError(
@@ -342,10 +364,11 @@ class DeviceMesh:
         for n in wanted:
             if n in self._dim_names:
                 d = self._dim_names.index(n)
-                parts.append((self._dims[d], self._dim_groups[d]))
+                parts.append((self._dims[d], self._dim_groups[d], self._dim_backends[d]))
             else:
-                parts.append((flats[n]._flat_of, flats[n]._dim_groups[0]))
-        selected = [d for dims, _ in parts for d in dims]
+                flat = flats[n]
+                parts.append((flat._flat_of, flat._dim_groups[0], flat._dim_backends[0]))
+        selected = [d for dims, _, _ in parts for d in dims]
         if selected != sorted(set(selected)):
             in_order = tuple(n for n in self._dim_names if n in wanted)
             hint = f" Use mesh[{in_order!r}] instead." if len(in_order) == len(wanted) else ""
@@ -365,6 +388,10 @@ class DeviceMesh:
             >>> mesh.flatten("dp_tp").size()
             4
         """
+        return self._flatten_with(name, None)
+
+    def _flatten_with(self, name: str | None, backend: str | None) -> DeviceMesh:
+        """``flatten(name)`` whose groups use ``backend`` (None: the mesh's)."""
         if self.ndim == 1 and (name is None or name == (self._dim_names or (None,))[0]):
             return self
         if name is None:
@@ -386,7 +413,7 @@ class DeviceMesh:
                     f"DeviceMesh.flatten: name {name!r} is already a mesh dim name of "
                     f"{root!r}. Choose another name."
                 )
-        flat = self._build_flat(name)
+        flat = self._build_flat(name, backend=backend)
         if name is not None:
             root._flattened[name] = flat
         return flat
@@ -394,27 +421,58 @@ class DeviceMesh:
     def _flatten(self, mesh_dim_name: str | None = None, backend_override=None) -> DeviceMesh:
         """PyTorch's spelling of ``flatten`` (recipes call it): the same mesh, same cache.
 
-        ``backend_override`` is accepted for signature compatibility and must be None: every
-        group of a mesh uses the mesh's backend.
+        ``backend_override`` (a backend name, or ``(name, None)``) makes the flattened dim's
+        groups with that backend, ``"fake"`` or the device's own ([Note: honoured backends]
+        in ``_override.py``); anything else raises before any group is made.
 
         Example:
             >>> mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "cp", "tp"))
             >>> mesh["dp", "cp"]._flatten("dp_cp").size()
             2
         """
-        if backend_override is not None:
-            raise NotImplementedError(
-                f"DeviceMesh._flatten: backend_override must be None, got {backend_override!r}; "
-                f"this mesh's groups all use {self._backend!r}."
-            )
+        api = "DeviceMesh._flatten"
+        (backend,) = normalize_backend_override(
+            [backend_override], 1, None, self._device_type, api=api
+        )
         if self._dim_names is None:
             raise RuntimeError(
-                "DeviceMesh._flatten: this mesh has no mesh_dim_names; pass mesh_dim_names "
+                f"{api}: this mesh has no mesh_dim_names; pass mesh_dim_names "
                 "when building it, or call flatten(name) instead."
             )
-        return self.flatten(mesh_dim_name or None)
+        return self._flatten_with(mesh_dim_name or None, backend)
 
-    def _build_flat(self, name: str | None, *, create: bool = True) -> DeviceMesh:
+    def _unflatten(
+        self,
+        dim: int | str,
+        mesh_sizes: tuple[int, ...],
+        mesh_dim_names: tuple[str, ...],
+        backend_override: dict | None = None,
+    ) -> DeviceMesh:
+        """This mesh with mesh dim ``dim`` split into dims of ``mesh_sizes`` named
+        ``mesh_dim_names`` (PyTorch's private API, which torchtitan's ``ParallelDims`` builds
+        its meshes with). The result reports this mesh's root as its root and can be sliced,
+        flattened and concatenated with other meshes of that root ([Note: unflattened
+        meshes] in ``_derive.py``). Collective: every rank calls it.
+
+        ``backend_override`` maps new dims (index among them, or name) to a backend name:
+        ``"fake"`` or the device's own ([Note: honoured backends] in ``_override.py``).
+
+        Raises:
+            ValueError: ``dim`` names no dim, the sizes do not multiply to its size, the
+                names are wrong or clash, or a backend cannot be honoured.
+
+        Example:
+            >>> world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+            >>> m = world._unflatten(0, (2, 2), ("dp", "tp"), backend_override={"dp": "fake"})
+            >>> m["tp"].ranks_along(0), m._get_root_mesh() is world   # on rank 2
+            ([2, 3], True)
+        """
+        return _derive.unflatten(self, dim, mesh_sizes, mesh_dim_names, backend_override)
+
+    def _build_flat(
+        self, name: str | None, *, create: bool = True, backend: str | None = None
+    ) -> DeviceMesh:
+        backend = backend or self._backend
         root = self._root
         others = [d for d in range(root.ndim) if d not in self._root_dims]
         rows = root._mesh.permute(*others, *self._root_dims).reshape(-1, self.size())
@@ -422,17 +480,18 @@ class DeviceMesh:
         for row in rows.tolist():
             if not create and self._rank not in row:
                 continue
-            group = _groups.get_group(tuple(row), self._backend, create=create)
+            group = _groups.get_group(tuple(row), backend, create=create)
             if self._rank in row:
                 mine = group
         flat_ranks = self._mesh.reshape(-1)
-        flat = DeviceMesh._view(
-            root, flat_ranks, None if name is None else (name,), [()], [_groups.hold(mine)]
-        )
+        names = None if name is None else (name,)
+        flat = DeviceMesh._view(root, flat_ranks, names, [()], [_groups.hold(mine)], [backend])
         flat._root = flat
         flat._dims = ((0,),)
         flat._flat_of = self._root_dims
-        flat._origin = ("flat", self, name)
+        flat._origin = (
+            ("flat", self, name) if backend == self._backend else ("flat", self, name, backend)
+        )
         # Slicing the root by the flat name must find this mesh.
         flat._flattened = root._flattened
         return flat
@@ -518,7 +577,10 @@ class DeviceMesh:
                 "root mesh built with mesh_dim_names."
             )
         names = tuple(n for m in meshes for n in m.mesh_dim_names)
-        return meshes[0]._get_root_mesh()[names]
+        naming = [_derive.naming_root(m) for m in meshes]
+        if any(r is not naming[0] for r in naming[1:]):  # [Note: unflattened meshes]
+            return _derive.concatenate_by_index(meshes, api=api)
+        return naming[0][names]
 
     def _get_root_mesh(self) -> DeviceMesh:
         """The mesh this one was sliced or flattened from (itself for a root). A mesh
@@ -581,13 +643,36 @@ def _describe(mesh: DeviceMesh) -> tuple:
     if kind == "slice":
         _, root, names = mesh._origin
         flats = tuple(
-            (n, root._flattened[n]._flat_of)
+            (n, root._flattened[n]._flat_of, root._flattened[n]._dim_backends[0])
             for n in names
             if n in root._flattened and (root._dim_names is None or n not in root._dim_names)
         )
         return ("slice", _describe(root), names, flats)
-    _, source, name = mesh._origin
-    return ("flat", _describe(source), name)
+    if kind == "unflat":
+        return ("unflat", _describe(mesh._origin[1]), *mesh._origin[2:])
+    if kind == "concat":
+        return ("concat", tuple(_describe(m) for m in mesh._origin[1]))
+    return ("flat", _describe(mesh._origin[1]), *mesh._origin[2:])
+
+
+def _rebuild_root(description: tuple) -> DeviceMesh:
+    device_type, ranks, names, *overrides = description[1:]
+    mesh = DeviceMesh.__new__(DeviceMesh)
+    backend = _groups.backend_for(device_type)
+    mesh._init_root(device_type, backend, _as_mesh_tensor(ranks), names, *overrides)
+    mesh._dim_groups = [_groups.hold(mesh._cached_dim_group(d)) for d in range(mesh.ndim)]
+    return mesh
+
+
+def _rebuild_flat(description: tuple) -> DeviceMesh:
+    _, source, name, *backend = description
+    source = _rebuild_mesh(source)
+    if name is not None and name in source._root._flattened:
+        return source._root._flattened[name]
+    flat = source._build_flat(name, create=False, backend=(backend or [None])[0])
+    if name is not None:
+        source._root._flattened[name] = flat
+    return flat
 
 
 def _rebuild_mesh(description: tuple) -> DeviceMesh:
@@ -596,29 +681,24 @@ def _rebuild_mesh(description: tuple) -> DeviceMesh:
     kind = description[0]
     try:
         if kind == "root":
-            _, device_type, ranks, names = description
-            mesh = DeviceMesh.__new__(DeviceMesh)
-            mesh._init_root(
-                device_type, _groups.backend_for(device_type), _as_mesh_tensor(ranks), names
-            )
-            mesh._dim_groups = [_groups.hold(mesh._cached_dim_group(d)) for d in range(mesh.ndim)]
-            return mesh
+            return _rebuild_root(description)
         if kind == "slice":
             _, root_description, names, flats = description
             root = _rebuild_mesh(root_description)
-            for name, dims in flats:
+            for name, dims, backend in flats:
                 if name not in root._flattened:
                     source = root[tuple(root._dim_names[d] for d in dims)]
-                    root._flattened[name] = source._build_flat(name, create=False)
+                    flat = source._build_flat(name, create=False, backend=backend)
+                    root._flattened[name] = flat
             return root[names]
-        _, source, name = description
-        source = _rebuild_mesh(source)
-        if name is not None and name in source._root._flattened:
-            return source._root._flattened[name]
-        flat = source._build_flat(name, create=False)
-        if name is not None:
-            source._root._flattened[name] = flat
-        return flat
+        if kind == "unflat":
+            _, source, dim, sizes, names, overrides = description
+            override = {i: b for i, b in enumerate(overrides) if b is not None}
+            source = _rebuild_mesh(source)
+            return _derive.unflatten(source, dim, sizes, names, override, create=False)
+        if kind == "concat":
+            return DeviceMesh._concatenate([_rebuild_mesh(d) for d in description[1]])
+        return _rebuild_flat(description)
     except LookupError as e:
         raise RuntimeError(
             f"DeviceMesh: cannot unpickle {description!r} in this process: {e}. A mesh is "
@@ -640,6 +720,7 @@ def init_device_mesh(
     mesh_shape: tuple[int, ...],
     *,
     mesh_dim_names: tuple[str, ...] | None = None,
+    backend_override: dict | None = None,
 ) -> DeviceMesh:
     """Build a mesh of ``mesh_shape`` over all ranks, row-major (rank r at cell r).
 
@@ -649,10 +730,13 @@ def init_device_mesh(
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL).
         mesh_shape: size of every mesh dim; the product must equal the world size.
         mesh_dim_names: one unique name per mesh dim.
+        backend_override: ``{dim index or name: backend}`` for the dims whose groups use
+            another backend than the device's: ``"fake"`` (groups that move no data), or the
+            device's own ([Note: honoured backends] in ``_override.py``).
 
     Raises:
         ValueError: the product of ``mesh_shape`` differs from the world size, a size is not
-            positive, or the names are wrong.
+            positive, the names are wrong, or a backend_override cannot be honoured.
 
     Example:
         >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -671,6 +755,13 @@ def init_device_mesh(
             f"{api}: mesh_shape must be a non-empty tuple of positive ints, got {mesh_shape!r}."
         )
     _check_dim_names(mesh_dim_names, len(shape), api=api)
+    overrides = normalize_backend_override(
+        None if backend_override is None else dict(backend_override),
+        len(shape),
+        mesh_dim_names,
+        device_type,
+        api=api,
+    )
     _groups.ensure_default_group(device_type)
     world = dist.get_world_size()
     if math.prod(shape) != world:
@@ -678,7 +769,12 @@ def init_device_mesh(
             f"{api}: mesh_shape {shape} holds {math.prod(shape)} ranks but the world size is "
             f"{world}. Pick a mesh_shape whose product is {world}."
         )
-    return DeviceMesh(device_type, torch.arange(world).view(shape), mesh_dim_names=mesh_dim_names)
+    return DeviceMesh(
+        device_type,
+        torch.arange(world).view(shape),
+        mesh_dim_names=mesh_dim_names,
+        backend_override=overrides,
+    )
 
 
 # --------------------------------------------------------------------------- validation
@@ -729,28 +825,6 @@ def _check_ranks(mesh: torch.Tensor, world: int) -> None:
                 )
 
 
-def _check_dim_names(names, ndim: int, *, api: str) -> tuple[str, ...] | None:
-    if names is None:
-        return None
-    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-        raise TypeError(
-            f"{api}: mesh_dim_names must be a tuple of str, got {names!r}. "
-            "Write e.g. mesh_dim_names=('dp', 'tp')."
-        )
-    names = tuple(names)
-    if len(names) != ndim:
-        raise ValueError(
-            f"{api}: mesh_dim_names must have one name per mesh dim ({ndim}), got {names!r}."
-        )
-    repeated = sorted({n for n in names if names.count(n) > 1})
-    if repeated:
-        raise ValueError(
-            f"{api}: mesh_dim_names must be unique, got {names!r} (repeated: {repeated}). "
-            "Give every mesh dim its own name."
-        )
-    return names
-
-
 def concatenate_meshes(meshes) -> DeviceMesh:
     """One mesh over the dims of several slices of one root mesh, in root order: the public
     name of ``DeviceMesh._concatenate`` (PyTorch's private spelling, kept for ports), for
@@ -762,3 +836,7 @@ def concatenate_meshes(meshes) -> DeviceMesh:
         True
     """
     return DeviceMesh._concatenate(meshes)
+
+
+# torch.load(weights_only=True) may rebuild a mesh (from this process's groups only)
+allow_in_weights_only_load(DeviceMesh, _rebuild_mesh)

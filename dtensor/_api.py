@@ -14,9 +14,9 @@ from dtensor._redistribute import local_chunk, replicate_to_partial
 from dtensor._spec import DTensorSpec, TensorMeta, contiguous_stride
 from dtensor.placement import (
     Partial,
-    Shard,
     _StridedShard,
     chunk_sizes,
+    is_shard_like,
     normalize_placements,
     padded_chunk_size,
 )
@@ -61,11 +61,11 @@ def distribute_tensor(
     for mesh_dim in order:
         p = placements[mesh_dim]
         if src_data_rank is None or device_mesh.size(mesh_dim) == 1:
-            if isinstance(p, Shard):
+            if is_shard_like(p):
                 local = local_chunk(
                     local, p.dim, device_mesh.size(mesh_dim), device_mesh.get_local_rank(mesh_dim)
                 )
-        elif isinstance(p, Shard):
+        elif is_shard_like(p):
             local = _scatter(local, device_mesh, mesh_dim, p.dim, src_data_rank)
         else:
             local = _broadcast(local, device_mesh, mesh_dim, src_data_rank)

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
-from dtensor.placement import Replicate, Shard
+from dtensor.placement import Replicate, Shard, is_shard_like
 from dtensor.tensor import DTensor
 
 
@@ -92,7 +92,7 @@ def _pairwise_total(values: torch.Tensor) -> torch.Tensor:
 def _rowwise_norm(tensors: list[torch.Tensor], p: float) -> torch.Tensor:
     for t in tensors:
         if isinstance(t, DTensor) and not all(
-            pl.is_replicate() or pl.is_shard(0) for pl in t.placements
+            pl.is_replicate() or (is_shard_like(pl) and pl.dim == 0) for pl in t.placements
         ):
             raise ValueError(
                 "get_total_norm(deterministic=True): row sums need every tensor sharded "
@@ -105,7 +105,7 @@ def _rowwise_norm(tensors: list[torch.Tensor], p: float) -> torch.Tensor:
             pieces.append(_row_sums(t, p))
             continue
         sums = _row_sums(t.to_local(), p)
-        placements = [Shard(0) if pl.is_shard() else Replicate() for pl in t.placements]
+        placements = [Shard(0) if is_shard_like(pl) else Replicate() for pl in t.placements]
         rows = (t.shape[0] if t.dim() else 1,)
         full = DTensor.from_local(sums, t.device_mesh, placements, shape=rows, stride=(1,))
         pieces.append(full.full_tensor())

@@ -142,6 +142,8 @@ def all_reduce(local, mesh, mesh_dim: int, partial: Partial, *, async_op=False) 
     """Reduce partial values over the mesh dim; every rank gets the result."""
     group = mesh.get_group(mesh_dim)
     k = mesh.size(mesh_dim)
+    if _is_product(partial):
+        return _product_all_reduce(local, mesh, mesh_dim, async_op=async_op)
     ws = _workspace.workspace_for_group(mesh, group)
     if all_reduces_blocks(group, partial, local, k):
         nbytes = local.numel() * local.element_size()
@@ -158,6 +160,23 @@ def all_reduce(local, mesh, mesh_dim: int, partial: Partial, *, async_op=False) 
     with debug.annotate_failures():
         work = dist.all_reduce(x, op=reduction.reduce_op, group=group, async_op=True)
     done = Pending(work, lambda: finish_fn(x))
+    return done if async_op else Pending.ready(done.wait())
+
+
+def _is_product(partial: Partial) -> bool:
+    return type(partial) is Partial and partial.reduce_op == "product"
+
+
+def _product_all_reduce(local, mesh, mesh_dim: int, *, async_op: bool) -> Pending:
+    """``Partial("product")`` reduced: one all-reduce with ``ReduceOp.PRODUCT`` (gloo and
+    NCCL both have it)."""
+    group = mesh.get_group(mesh_dim)
+    x = local.clone()
+    nbytes = x.numel() * x.element_size()
+    debug.record("all_reduce", _dim_label(mesh, mesh_dim), mesh.size(mesh_dim), nbytes, group=group)
+    with debug.annotate_failures():
+        work = dist.all_reduce(x, op=dist.ReduceOp.PRODUCT, group=group, async_op=True)
+    done = Pending(work, lambda: x)
     return done if async_op else Pending.ready(done.wait())
 
 
@@ -179,6 +198,14 @@ def reduce_scatter(
     full = local.size(tensor_dim)
     sizes = chunk_sizes(full, k)
     pad = padded_chunk_size(full, k)
+    if _is_product(partial):  # rare: the whole product, then this rank's chunk
+        reduced = _product_all_reduce(local, mesh, mesh_dim, async_op=async_op)
+        start = chunk_offsets(full, k)[idx]
+
+        def chunk():
+            return reduced.wait().narrow(tensor_dim, start, sizes[idx]).contiguous()
+
+        return Pending(None, chunk) if async_op else Pending.ready(chunk())
     if reduce_scatters_blocks(group, partial):
         nbytes = k * pad * (local.numel() // max(full, 1)) * local.element_size()
         debug.record("reduce_scatter", _dim_label(mesh, mesh_dim), k, nbytes, group=group)

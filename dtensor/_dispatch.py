@@ -713,7 +713,7 @@ def _run_hit(hit: _Hit, args, kwargs):
     else:
         for i in hit.dtensors:
             a = args[i]
-            local[i] = a._local_tensor if a._pending is None else a._local()
+            local[i] = a._local_value if a._pending is None else a._local()
     out = hit.run(*local, **kwargs)
     if hit.inplace:
         # as in _run: bump the version counter, carry a write through a gathered view back

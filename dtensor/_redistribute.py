@@ -31,9 +31,9 @@ from dtensor.placement import (
     Partial,
     Placement,
     Replicate,
-    Shard,
     chunk_offsets,
     chunk_sizes,
+    is_shard_like,
     local_shape_and_offset,
     shard_order,
 )
@@ -62,7 +62,7 @@ def plan_redistribute(src, dst) -> list[Step]:
         ['all_gather']
     """
     plan = _Plan(src, dst)
-    tensor_dims = sorted({p.dim for p in (*src, *dst) if isinstance(p, Shard)})
+    tensor_dims = sorted({p.dim for p in (*src, *dst) if is_shard_like(p)})
     plan.move_shards_all_to_all(src)
     plan.gather_beyond_common_prefix(tensor_dims)
     plan.reduce_partials()
@@ -88,7 +88,7 @@ class _Plan:
         """1. One all-to-all where a mesh dim alone moves its shard to another tensor dim."""
         cur, dst = self.cur, self.dst
         for i, (s, d) in enumerate(zip(src, dst)):
-            if isinstance(s, Shard) and isinstance(d, Shard) and s.dim != d.dim:
+            if is_shard_like(s) and is_shard_like(d) and s.dim != d.dim:
                 if (
                     _shard_seq(cur, s.dim) == [i]
                     and _shard_seq(dst, d.dim) == [i]
@@ -113,7 +113,7 @@ class _Plan:
         cur, dst = self.cur, self.dst
         for i, (c, d) in enumerate(zip(cur, dst)):
             if isinstance(c, Partial) and c != d:
-                if isinstance(d, Shard) and _can_append_shard(cur, dst, i, d.dim):
+                if is_shard_like(d) and _can_append_shard(cur, dst, i, d.dim):
                     continue  # becomes a reduce-scatter in step 4
                 self.move("all_reduce", i, Replicate())
 
@@ -210,9 +210,12 @@ def local_chunk(
 def replicate_to_partial(t: torch.Tensor, partial: Partial, local_rank: int) -> torch.Tensor:
     """Split a replicated value into partials whose reduction gives it back: the value on
     local rank 0 and zeros elsewhere for a sum (and for a finite p-norm, whose reduction
-    sums ``|x|^p``), the value everywhere for an average, max, min or infinite norm."""
+    sums ``|x|^p``), the value on local rank 0 and ones elsewhere for a product, the value
+    everywhere for an average, max, min or infinite norm."""
     if local_rank != 0 and _sums(partial):
         return torch.zeros_like(t)
+    if local_rank != 0 and type(partial) is Partial and partial.reduce_op == "product":
+        return torch.ones_like(t)  # the value on local rank 0 times ones: exact
     return t.clone()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,7 @@ from dtensor.placement import (
     Placement,
     _StridedShard,
     format_placements,
+    is_shard_like,
     local_shape_and_offset,
 )
 
@@ -51,6 +53,74 @@ class DTensorSpec:
     @property
     def ndim(self) -> int:
         return len(self.meta.shape)
+
+    # PyTorch's DTensorSpec names, which clients read off ``DTensor._spec`` (torchtitan's
+    # simple_fsdp reads tensor_meta and num_shards_map).
+    @property
+    def tensor_meta(self) -> TensorMeta:
+        """The global shape, stride and dtype (PyTorch's name for ``meta``)."""
+        return self.meta
+
+    @property
+    def stride(self) -> tuple[int, ...]:
+        return self.meta.stride
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self.mesh
+
+    @property
+    def num_shards(self) -> int:
+        """How many pieces the tensor is cut into (the product of the sharding mesh dims).
+
+        Example:
+            >>> spec_of(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])).num_shards
+            2
+        """
+        return math.prod(
+            self.mesh.size(i) for i, p in enumerate(self.placements) if is_shard_like(p)
+        )
+
+    @property
+    def num_shards_map(self) -> list[int]:
+        """For every tensor dim, how many pieces the mesh dims sharding it cut it into.
+
+        Example:
+            >>> spec_of(distribute_tensor(torch.randn(8, 4), mesh, [Shard(1)])).num_shards_map
+            [1, 2]
+        """
+        out = [1] * self.ndim
+        for i, p in enumerate(self.placements):
+            if is_shard_like(p):
+                out[p.dim] *= self.mesh.size(i)
+        return out
+
+    @property
+    def dim_map(self) -> list[int]:
+        """For every tensor dim, the mesh dim sharding it (-1: none).
+
+        Raises:
+            ValueError: two mesh dims shard one tensor dim (no single answer).
+        """
+        out = [-1] * self.ndim
+        for i, p in enumerate(self.placements):
+            if is_shard_like(p):
+                if out[p.dim] > -1:
+                    raise ValueError(
+                        f"DTensorSpec.dim_map: tensor dim {p.dim} is sharded by mesh dims "
+                        f"{out[p.dim]} and {i} ({format_placements(self.placements)}); read "
+                        "num_shards_map or placements instead."
+                    )
+                out[p.dim] = i
+        return out
+
+    @property
+    def sums(self) -> list[int]:
+        """The mesh dims holding partial values."""
+        return [i for i, p in enumerate(self.placements) if p.is_partial()]
+
+    def is_sharded(self) -> bool:
+        return any(is_shard_like(p) for p in self.placements)
 
     @property
     def has_strided(self) -> bool:

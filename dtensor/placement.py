@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import sys
 
-_REDUCE_OPS = ("sum", "avg", "max", "min")
+_REDUCE_OPS = ("sum", "avg", "min", "max", "product")
+_LINEAR_REDUCE_OPS = ("sum", "avg")
 
 
 class _PlacementKind(type):
@@ -122,6 +123,20 @@ class Shard(Placement):
     def local_size(size: int, num_chunks: int, index: int) -> int:
         return chunk_sizes(size, num_chunks)[index]
 
+    @staticmethod
+    def local_shard_size_and_offset(curr_local_size: int, num_chunks: int, rank: int):
+        """``(size, offset)`` of chunk ``rank`` when a dim of ``curr_local_size`` is split
+        into ``num_chunks``, ``torch.chunk`` style; the offset is relative to that dim (an
+        empty chunk starts at ``curr_local_size``). PyTorch's static method of this name.
+
+        Example:
+            >>> Shard.local_shard_size_and_offset(7, 4, 3), Shard.local_shard_size_and_offset(3, 4, 3)
+            ((1, 6), (0, 3))
+        """
+        return chunk_sizes(curr_local_size, num_chunks)[rank], chunk_offsets(
+            curr_local_size, num_chunks
+        )[rank]
+
     def _to_torch(self):
         return _torch_module().Shard(self.dim)
 
@@ -140,7 +155,7 @@ class Shard(Placement):
         return f"S({self.dim})"
 
 
-class _StridedShard(Shard):
+class _StridedShard(Placement):
     """``Shard(dim)`` taken *inside* the shards of the later mesh dims that shard ``dim``.
 
     Plain shards of one tensor dim nest in mesh-dim order: mesh dim 0 takes its chunk first.
@@ -149,20 +164,32 @@ class _StridedShard(Shard):
     chunk again. This placement records that order; ``split_factor`` is the number of pieces
     the later mesh dims cut the dim into (PyTorch's ``_StridedShard`` has the same meaning).
 
+    As in PyTorch it is not a ``Shard``: ``isinstance(_StridedShard(0, split_factor=2),
+    Shard)`` and ``is_shard()`` are False; ``is_shard_like`` holds for both.
+
     Example:
         >>> # 8 rows on a (dp=2, tp=2) mesh; rank (dp=i, tp=j) holds chunk i of chunk j:
         >>> local_shape_and_offset((8,), (2, 2), (1, 0), (_StridedShard(0, 2), Shard(0)))
         ((2,), (2,))
     """
 
-    __slots__ = ("split_factor",)
+    __slots__ = ("dim", "split_factor")
 
-    def __init__(self, dim: int, split_factor: int) -> None:
-        super().__init__(dim)
-        if not isinstance(split_factor, int) or split_factor < 1:
+    def __init__(self, dim: int, split_factor: int = 1, *, sf: int | None = None) -> None:
+        if sf is not None:
+            if split_factor != 1:
+                raise TypeError(
+                    f"_StridedShard: pass split_factor or sf, not both (got {split_factor!r} "
+                    f"and {sf!r})."
+                )
+            split_factor = sf
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise TypeError(f"_StridedShard: dim must be an int, got {dim!r}.")
+        if not isinstance(split_factor, int) or isinstance(split_factor, bool) or split_factor < 1:
             raise ValueError(
                 f"_StridedShard: split_factor must be an int >= 1, got {split_factor!r}."
             )
+        object.__setattr__(self, "dim", dim)
         object.__setattr__(self, "split_factor", split_factor)
 
     def _ctor_args(self) -> tuple:
@@ -171,6 +198,27 @@ class _StridedShard(Shard):
     def normalized(self, ndim: int, *, api: str = "Shard") -> _StridedShard:
         plain = Shard(self.dim).normalized(ndim, api=api)
         return self if plain.dim == self.dim else _StridedShard(plain.dim, self.split_factor)
+
+    def local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int, rank: int):
+        """``(size, first offset)`` of what rank ``rank`` of ``num_chunks`` holds of a dim of
+        ``curr_local_size``: chunk ``rank`` of each of the ``split_factor`` pieces. The offset
+        is -1 for an empty shard (PyTorch's answer).
+
+        Example:
+            >>> _StridedShard(0, split_factor=2).local_shard_size_and_offset(9, 2, 1)
+            (4, 3)
+        """
+        size, first = 0, -1
+        pieces = zip(
+            chunk_sizes(curr_local_size, self.split_factor),
+            chunk_offsets(curr_local_size, self.split_factor),
+        )
+        for piece, start in pieces:
+            n = chunk_sizes(piece, num_chunks)[rank]
+            if n and first < 0:
+                first = start + chunk_offsets(piece, num_chunks)[rank]
+            size += n
+        return size, first
 
     def _to_torch(self):
         return _torch_module()._StridedShard(self.dim, split_factor=self.split_factor)
@@ -188,6 +236,17 @@ class _StridedShard(Shard):
 
     def __str__(self):
         return f"_S({self.dim}, {self.split_factor})"
+
+
+def is_shard_like(p) -> bool:
+    """Whether ``p`` splits a tensor dim: a ``Shard`` or a ``_StridedShard`` (which, as in
+    PyTorch, is no ``Shard``).
+
+    Example:
+        >>> is_shard_like(_StridedShard(0, split_factor=2)), isinstance(_StridedShard(0, 2), Shard)
+        (True, False)
+    """
+    return isinstance(p, (Shard, _StridedShard))
 
 
 # The public name of ``_StridedShard``, for libraries that lay out FSDP over tensor
@@ -231,7 +290,9 @@ class Partial(Placement):
     """Every rank holds a partial value; the tensor is their reduction (``reduce_op``).
 
     Args:
-        reduce_op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
+        reduce_op: ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or ``"product"`` (PyTorch's
+            ``Partial.ALL_REDUCE_OPS``; ``LINEAR_REDUCE_OPS`` are the ones linear ops may
+            act on).
 
     Example:
         >>> str(Partial())
@@ -239,6 +300,8 @@ class Partial(Placement):
     """
 
     __slots__ = ("reduce_op",)
+    LINEAR_REDUCE_OPS: tuple[str, ...] = _LINEAR_REDUCE_OPS
+    ALL_REDUCE_OPS: tuple[str, ...] = _REDUCE_OPS
 
     def __init__(self, reduce_op: str = "sum") -> None:
         if reduce_op not in self._valid_ops():
@@ -260,7 +323,7 @@ class Partial(Placement):
     @property
     def is_linear(self) -> bool:
         """True when the reduction is a (scaled) sum, so linear ops may act on partials."""
-        return self.reduce_op in ("sum", "avg")
+        return self.reduce_op in _LINEAR_REDUCE_OPS
 
     def _to_torch(self):
         return _torch_module().Partial(self.reduce_op)
@@ -375,7 +438,7 @@ def normalize_placements(placements, mesh_ndim: int, tensor_ndim: int, *, api: s
             f"{len(placements)}: {format_placements(placements)}. Add or remove entries."
         )
     placements = tuple(
-        p.normalized(tensor_ndim, api=api) if isinstance(p, Shard) else p for p in placements
+        p.normalized(tensor_ndim, api=api) if is_shard_like(p) else p for p in placements
     )
     _check_strided(placements, api=api)
     return placements
@@ -403,7 +466,7 @@ def shard_order(placements, tensor_dim: int) -> list[int]:
     """
     plain, strided = [], []
     for i, p in enumerate(placements):
-        if isinstance(p, Shard) and p.dim == tensor_dim:
+        if is_shard_like(p) and p.dim == tensor_dim:
             (strided if isinstance(p, _StridedShard) else plain).append(i)
     return plain + strided
 
@@ -488,7 +551,7 @@ def local_shape_and_offset(global_shape, mesh_shape, coordinate, placements):
     """
     shape = list(global_shape)
     offset = [0] * len(shape)
-    for tdim in sorted({p.dim for p in placements if isinstance(p, Shard)}):
+    for tdim in sorted({p.dim for p in placements if is_shard_like(p)}):
         for mesh_dim in shard_order(placements, tdim):
             n, k = shape[tdim], mesh_shape[mesh_dim]
             i = coordinate[mesh_dim]

@@ -21,8 +21,8 @@ from dtensor._spec import DTensorSpec, TensorMeta, contiguous_stride
 from dtensor.placement import (
     Partial,
     Replicate,
-    Shard,
     format_placements,
+    is_shard_like,
     normalize_placements,
 )
 
@@ -114,7 +114,7 @@ def _new_dtensor(cls, local_tensor: torch.Tensor, spec: DTensorSpec, requires_gr
         torch._C._set_conj(r, True)
     if local_tensor.is_neg():
         torch._C._set_neg(r, True)
-    r._local_tensor = local_tensor
+    r._local_value = local_tensor
     r._spec = spec
     r._pending = None
     r._view_of = None  # see [Note: writes through gathered views] in _inplace.py
@@ -134,7 +134,7 @@ class DTensor(torch.Tensor):
         >>> (dt * 2).full_tensor()   # every rank: the whole doubled tensor
     """
 
-    _local_tensor: torch.Tensor
+    _local_value: torch.Tensor  # this rank's block; read it through _local()
     _spec: DTensorSpec
 
     @staticmethod
@@ -182,12 +182,98 @@ class DTensor(torch.Tensor):
             requires_grad=requires_grad,
         )
 
+    def __getstate__(self) -> dict:
+        # Pickled (torch.save, copy.copy) as PyTorch pickles a wrapper subclass, with this
+        # state: the finished local tensor, never an in-flight collective's handle.
+        state = dict(self.__dict__)
+        state["_local_value"] = self._local()
+        state["_pending"] = None
+        return state
+
+    # PyTorch's distributed checkpoint (torch.distributed.checkpoint) asks any tensor it
+    # saves or loads for these three (its "checkpointable" protocol); each rank holds one box
+    # of the global tensor, described as PyTorch describes its own DTensor's.
+    def __create_write_items__(self, fqn: str, object) -> list:
+        """DCP's write items for this tensor: this rank's box, as one shard item (replicas
+        write the same item on every rank; DCP's global plan keeps one).
+
+        Example:
+            >>> dt.__create_write_items__("w", dt)   # what torch.distributed.checkpoint.save asks
+            [WriteItem(index=MetadataIndex(fqn='w', offset=torch.Size([0, 0]), ...), ...)]
+        """
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import (
+            TensorWriteData,
+            WriteItem,
+            WriteItemType,
+        )
+
+        _check_checkpointable(self, "__create_write_items__")
+        chunks = self.__create_chunk_list__()
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, chunk.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=chunk,
+                    properties=TensorProperties.create_from_tensor(self.to_local()),
+                    size=self.size(),
+                ),
+            )
+            for chunk in chunks
+        ]
+
+    def __create_chunk_list__(self) -> list:
+        """The boxes of the global tensor this rank holds (none off the mesh): DCP reads into
+        them on load, resharding from whatever layout was saved.
+
+        Example:
+            >>> distribute_tensor(torch.ones(5, 3), mesh, [Shard(0)]).__create_chunk_list__()
+            [ChunkStorageMetadata(offsets=torch.Size([3, 0]), sizes=torch.Size([2, 3]))]  # rank 1
+        """
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        _check_checkpointable(self, "__create_chunk_list__")
+        if self.device_mesh.get_coordinate() is None:
+            return []
+        sizes, offsets = self._spec.local_shape_and_offset()
+        return [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))]
+
+    def __get_tensor_shard__(self, index) -> torch.Tensor:
+        """The local tensor DCP writes from or reads into (every ``index`` of this tensor
+        names this rank's one box).
+
+        Example:
+            >>> dt.__get_tensor_shard__(MetadataIndex("w", (3, 0))) is dt.to_local()
+            True
+        """
+        _check_checkpointable(self, "__get_tensor_shard__")
+        return self._local()
+
     def _local(self) -> torch.Tensor:
         """The local tensor, waiting for an async redistribute if one is still running."""
         if self._pending is not None:
-            self._local_tensor = self._pending.wait()
+            self._local_value = self._pending.wait()
             self._pending = None
-        return self._local_tensor
+        return self._local_value
+
+    @property
+    def _local_tensor(self) -> torch.Tensor:
+        """This rank's block under PyTorch's attribute name, which frameworks read
+        (torchtitan, accelerate, PEFT): after ``redistribute(async_op=True)`` it waits for
+        the collective, so it never shows the block from before the redistribution.
+
+        Example::
+
+            >>> dt.redistribute(placements=[Replicate()], async_op=True)._local_tensor.shape
+            torch.Size([7, 4])
+        """
+        return self._local()
+
+    @_local_tensor.setter
+    def _local_tensor(self, value: torch.Tensor) -> None:
+        self._local_value = value
+        self._pending = None
 
     # ---------------------------------------------------------------------------- public API
     @staticmethod
@@ -232,7 +318,7 @@ class DTensor(torch.Tensor):
         if shape is None:
             global_shape = list(local_tensor.shape)
             for mesh_dim, p in enumerate(placements):
-                if isinstance(p, Shard):
+                if is_shard_like(p):
                     global_shape[p.dim] *= device_mesh.size(mesh_dim)
             shape = torch.Size(global_shape)
         shape = torch.Size(shape)
@@ -448,3 +534,14 @@ def _check_local(local: torch.Tensor, spec: DTensorSpec, api: str) -> torch.Tens
         if isinstance(p, Replicate) and mesh.size(mesh_dim) > 1:
             local = C.broadcast(local.clone(), mesh, mesh_dim, 0)
     return local
+
+
+def _check_checkpointable(dt: DTensor, hook: str) -> None:
+    """Raise if ``dt`` cannot be saved or loaded box by box: pending partial sums."""
+    if any(isinstance(p, Partial) for p in dt.placements):
+        raise ValueError(
+            f"torch.distributed.checkpoint (DTensor.{hook}): this DTensor (dtensor.DTensor, "
+            f"shape {tuple(dt.shape)}, placements {format_placements(dt.placements)}) holds "
+            "pending partial sums, which a checkpoint cannot store. Redistribute it first: "
+            "dt.redistribute(placements=[Replicate()] * dt.device_mesh.ndim)."
+        )

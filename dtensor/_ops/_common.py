@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dtensor._spec import DTensorSpec
-from dtensor.placement import Partial, Replicate, Shard, _StridedShard
+from dtensor.placement import Partial, Replicate, Shard, _StridedShard, is_shard_like
 
 _RULES: dict = {}
 
@@ -108,7 +108,7 @@ def with_dim(p: Shard, dim: int) -> Shard:
 
 def map_to(p_out, out_ndim: int, shape: tuple, out_shape: tuple):
     """Placement an input of ``shape`` needs so that a broadcasting op yields ``p_out``."""
-    if isinstance(p_out, Shard):
+    if is_shard_like(p_out):
         td = p_out.dim - (out_ndim - len(shape))
         if td < 0 or shape[td] != out_shape[p_out.dim]:
             return Replicate()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from dtensor._ops._common import OpSchema, OutputSharding, map_to, register
-from dtensor.placement import Partial, Replicate, Shard
+from dtensor.placement import Partial, Replicate, Shard, is_shard_like
 
 aten = torch.ops.aten
 
@@ -37,13 +37,13 @@ def _mm_placement(pa, pb, batch: int):
     if isinstance(pb, Partial) and pb.is_linear and isinstance(pa, Replicate):
         return pb, pa, pb
     # not directly valid: keep the side that is already sharded, move the other
-    if isinstance(pa, Shard):
+    if is_shard_like(pa):
         if pa.dim == m:
             return Shard(m), pa, Replicate()
         if pa.dim == k_a:
             return Partial(), pa, Shard(k_b)
         return Shard(pa.dim), pa, Shard(pa.dim)  # a batch dim
-    if isinstance(pb, Shard):
+    if is_shard_like(pb):
         if pb.dim == n:
             return Shard(n), Replicate(), pb
         if pb.dim == k_b:

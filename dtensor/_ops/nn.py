@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from dtensor._ops._common import OpSchema, OutputSharding, register
-from dtensor.placement import Partial, Replicate, Shard, chunk_offsets, chunk_sizes
+from dtensor.placement import Partial, Replicate, Shard, chunk_offsets, chunk_sizes, is_shard_like
 
 aten = torch.ops.aten
 
@@ -24,17 +24,17 @@ def embedding_rule(schema: OpSchema) -> OutputSharding:
     outs, need_w, need_i = [], [], []
     vocab_dim = None
     for i, (pw, pi) in enumerate(zip(weight.placements, idx.placements)):
-        if isinstance(pw, Shard) and pw.dim == 1:
+        if is_shard_like(pw) and pw.dim == 1:
             outs.append(Shard(out_nd - 1))
             need_w.append(pw)
             need_i.append(Replicate())
-        elif isinstance(pw, Shard) and pw.dim == 0 and vocab_dim is None:
+        elif is_shard_like(pw) and pw.dim == 0 and vocab_dim is None:
             vocab_dim = i
             outs.append(Partial())
             need_w.append(pw)
             need_i.append(Replicate())
         else:
-            pi = pi if isinstance(pi, Shard) else Replicate()
+            pi = pi if is_shard_like(pi) else Replicate()
             outs.append(pi)
             need_w.append(Replicate())
             need_i.append(pi)
@@ -67,15 +67,15 @@ def embedding_backward_rule(schema: OpSchema) -> OutputSharding:
     grad, idx = schema.args[0], schema.args[1]
     outs, need_g, need_i = [], [], []
     for pg, pi in zip(grad.placements, idx.placements):
-        if isinstance(pg, Shard) and pg.dim == grad.ndim - 1 and not isinstance(pi, Shard):
+        if is_shard_like(pg) and pg.dim == grad.ndim - 1 and not is_shard_like(pi):
             outs.append(Shard(1))
             need_g.append(pg)
             need_i.append(Replicate())
-        elif isinstance(pg, Shard) and pg.dim < grad.ndim - 1 and pi == pg:
+        elif is_shard_like(pg) and pg.dim < grad.ndim - 1 and pi == pg:
             outs.append(Partial())  # every rank scatters its own rows into the full table
             need_g.append(pg)
             need_i.append(pi)
-        elif isinstance(pg, Partial) and pg.is_linear and not isinstance(pi, Shard):
+        elif isinstance(pg, Partial) and pg.is_linear and not is_shard_like(pi):
             outs.append(pg)
             need_g.append(pg)
             need_i.append(Replicate())
@@ -90,7 +90,7 @@ def embedding_backward_rule(schema: OpSchema) -> OutputSharding:
 
 
 def _leading_ok(p, n_lead: int) -> bool:
-    return isinstance(p, Shard) and p.dim < n_lead
+    return is_shard_like(p) and p.dim < n_lead
 
 
 @register(aten.native_layer_norm.default)
@@ -125,7 +125,7 @@ def layer_norm_backward_rule(schema: OpSchema) -> OutputSharding:
 def softmax_rule(schema: OpSchema) -> OutputSharding:
     x, dim = schema.args[0], schema.args[1] % max(schema.args[0].ndim, 1)
     p = tuple(
-        Replicate() if (isinstance(q, Shard) and q.dim == dim) or isinstance(q, Partial) else q
+        Replicate() if (is_shard_like(q) and q.dim == dim) or isinstance(q, Partial) else q
         for q in x.placements
     )
     return OutputSharding([p], {schema.leaf_index(x): p})
@@ -135,7 +135,7 @@ def softmax_rule(schema: OpSchema) -> OutputSharding:
 def softmax_backward_rule(schema: OpSchema) -> OutputSharding:
     grad, out, dim = schema.args[0], schema.args[1], schema.args[2] % max(schema.args[1].ndim, 1)
     p = tuple(
-        Replicate() if (isinstance(q, Shard) and q.dim == dim) or isinstance(q, Partial) else q
+        Replicate() if (is_shard_like(q) and q.dim == dim) or isinstance(q, Partial) else q
         for q in out.placements
     )
     return OutputSharding([p], {schema.leaf_index(grad): p, schema.leaf_index(out): p})

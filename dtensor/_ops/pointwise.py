@@ -24,7 +24,7 @@ from dtensor._ops._common import (
     with_dim,
 )
 from dtensor._spec import DTensorSpec
-from dtensor.placement import Partial, Replicate, Shard
+from dtensor.placement import Partial, Replicate, is_shard_like
 
 aten = torch.ops.aten
 
@@ -127,7 +127,7 @@ def _inplace_output(name: str, operands: list, target: DTensorSpec, i: int, out_
             "reduction first; reduce it with redistribute(placements=[Replicate()]) "
             "or use the out-of-place op."
         )
-    if isinstance(p_out, Shard) and len(target.shape) != out_ndim:
+    if is_shard_like(p_out) and len(target.shape) != out_ndim:
         p_out = with_dim(p_out, p_out.dim + out_ndim - len(target.shape))
     return p_out
 
@@ -142,7 +142,7 @@ def _out_of_place_output(name: str, operands: list, specs: list, i: int, out_sha
         return partials[0]
     out_ndim = len(out_shape)
     for s, p in zip(specs, ps):
-        if isinstance(p, Shard):
+        if is_shard_like(p):
             od = p.dim + out_ndim - s.ndim
             if s.shape[p.dim] == out_shape[od]:
                 return with_dim(p, od)

@@ -21,7 +21,7 @@ import mmap
 import torch
 
 from dtensor._ops._common import OpSchema, OutputSharding, register
-from dtensor.placement import Partial, Shard
+from dtensor.placement import Partial, is_shard_like
 
 aten = torch.ops.aten
 
@@ -46,7 +46,7 @@ def random_inplace(schema: OpSchema) -> OutputSharding:
             "redistribute it to Shard or Replicate first."
         )
     keep = {i: spec.placements for i in schema.spec_indices()}
-    if not any(isinstance(p, Shard) for p in spec.placements):
+    if not any(is_shard_like(p) for p in spec.placements):
         return OutputSharding([spec.placements], keep)
     shape, offset = spec.local_shape_and_offset()
     box = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))

@@ -14,7 +14,7 @@ import torch
 
 from dtensor._ops._common import OpSchema, OutputSharding, register
 from dtensor._spec import DTensorSpec
-from dtensor.placement import NormPartial, Partial, Replicate, Shard
+from dtensor.placement import NormPartial, Partial, Replicate, Shard, is_shard_like
 
 aten = torch.ops.aten
 
@@ -33,7 +33,7 @@ def _reduce_placements(
     """Output placements and needed input placements for a reduction over ``reduced``."""
     out, need = [], []
     for p in spec.placements:
-        if isinstance(p, Shard):
+        if is_shard_like(p):
             if p.dim in reduced:
                 out.append(partial_for_shard)
             else:
@@ -94,7 +94,7 @@ def sum_mean_rule(schema: OpSchema) -> OutputSharding:
         spec, reduced, a["keepdim"], Partial("sum"), lambda p: p.is_linear
     )
     local_fn = None
-    sharded_reduced = any(isinstance(p, Shard) and p.dim in reduced for p in need)
+    sharded_reduced = any(is_shard_like(p) and p.dim in reduced for p in need)
     if is_mean and sharded_reduced:
         count = math.prod(spec.shape[d] for d in reduced)
         dims = sorted(reduced)

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from dtensor import _torch_dcp
 from dtensor._ops._common import OpSchema, OutputSharding, register, replicate_all
-from dtensor.placement import Partial, Replicate, Shard, local_shape_and_offset
+from dtensor.placement import Partial, Replicate, Shard, is_shard_like, local_shape_and_offset
 
 aten = torch.ops.aten
 
@@ -34,7 +35,7 @@ def _common(specs, cat_dim: int | None, *, keep_partial: bool = False):
                 target.append(partials.pop())
                 continue
         p = ps[0]
-        if isinstance(p, Shard) and cat_dim is not None and p.dim == cat_dim:
+        if is_shard_like(p) and cat_dim is not None and p.dim == cat_dim:
             p = Replicate()
         if isinstance(p, Partial) and any(x != p for x in ps):
             p = Replicate()
@@ -50,7 +51,7 @@ def stack_rule(schema: OpSchema) -> OutputSharding:
     # stacking per-tensor partial results (clip_grad_norm_'s per-gradient norms) keeps them
     # partial: one reduction of the stack later instead of one per tensor now
     need = _common(specs, None, keep_partial=True)
-    out = tuple(Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p for p in need)
+    out = tuple(Shard(p.dim + (p.dim >= dim)) if is_shard_like(p) else p for p in need)
     return OutputSharding([out], {schema.leaf_index(s): need for s in specs})
 
 
@@ -99,3 +100,17 @@ def _contiguous_stride(shape) -> list[int]:
 def whole_tensor_rule(schema: OpSchema) -> OutputSharding:
     """Factorizations need the whole matrix: gather, factor, replicated results."""
     return replicate_all(schema)
+
+
+@register(aten.is_pinned.default)
+def local_memory_rule(schema: OpSchema) -> OutputSharding:
+    """``is_pinned``: a property of where this rank's piece lives, not of the values, so
+    each rank answers for its local tensor whatever the placements (PyTorch's checkpoint
+    code asks it of every tensor it saves)."""
+    return OutputSharding([None])
+
+
+# PyTorch's checkpoint code takes our DTensors once dtensor is imported (its state-dict
+# helpers, torch.load(weights_only=True)); installed here, below dtensor.tensor, which it
+# builds on: see dtensor/_torch_dcp.py.
+_torch_dcp.install()

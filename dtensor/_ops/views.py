@@ -16,7 +16,7 @@ import math
 import torch
 
 from dtensor._ops._common import OpSchema, OutputSharding, register
-from dtensor.placement import Replicate, Shard, chunk_sizes, local_shape_and_offset
+from dtensor.placement import Replicate, Shard, chunk_sizes, is_shard_like, local_shape_and_offset
 
 aten = torch.ops.aten
 
@@ -25,10 +25,10 @@ def _per_dim(schema: OpSchema, spec, dim_map, *, gather_dims=(), extra_local=Non
     """Placements through a dim mapping ``dim_map[in_dim] -> out_dim | None``."""
     out, need = [], []
     for p in spec.placements:
-        if isinstance(p, Shard) and (p.dim in gather_dims or dim_map.get(p.dim) is None):
+        if is_shard_like(p) and (p.dim in gather_dims or dim_map.get(p.dim) is None):
             out.append(Replicate())
             need.append(Replicate())
-        elif isinstance(p, Shard):
+        elif is_shard_like(p):
             out.append(Shard(dim_map[p.dim]))
             need.append(p)
         else:
@@ -173,11 +173,11 @@ def view_placements(in_shape, out_shape, placements, mesh_shape):
     group_of = {d: g for g in groups for d in g[0]}
     counts = {}
     for p in placements:
-        if isinstance(p, Shard):
+        if is_shard_like(p):
             counts[p.dim] = counts.get(p.dim, 0) + 1
     out, need = [], []
     for mesh_dim, p in enumerate(placements):
-        if not isinstance(p, Shard):
+        if not is_shard_like(p):
             out.append(p)
             need.append(p)
             continue

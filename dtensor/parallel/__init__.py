@@ -16,6 +16,7 @@ from dtensor.parallel.style import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -29,5 +30,6 @@ __all__ = [
     "SequenceParallel",
     "PrepareModuleInput",
     "PrepareModuleOutput",
+    "PrepareModuleInputOutput",
     "loss_parallel",
 ]

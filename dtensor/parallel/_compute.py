@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dtensor.placement import Partial, Shard, chunk_offsets, chunk_sizes
+from dtensor.placement import Partial, Shard, chunk_offsets, chunk_sizes, is_shard_like
 from dtensor.tensor import DTensor
 
 _PARTIAL = (Partial(),)
@@ -55,7 +55,7 @@ def _reduced(y: torch.Tensor, mesh, layout, bias) -> DTensor:
     out = DTensor.from_local(y, mesh, _PARTIAL, shape=y.shape).redistribute(placements=(layout,))
     if bias is None:
         return out
-    grad_layout = _PARTIAL if isinstance(layout, Shard) else None  # each rank saw some rows
+    grad_layout = _PARTIAL if is_shard_like(layout) else None  # each rank saw some rows
     local = out.to_local() + bias.to_local(grad_placements=grad_layout)
     return DTensor.from_local(local, mesh, out.placements, shape=out.shape)
 

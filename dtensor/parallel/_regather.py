@@ -94,6 +94,8 @@ class SaveShards:
         return bool(self._inputs)
 
     def _pack(self, t: torch.Tensor):
+        if isinstance(t, DTensor):  # a wrapper without storage: never a gathered input
+            return t
         entry = self._inputs.get(_storage_key(t))
         if entry is None or entry[0].dtype != t.dtype:
             return t

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import inspect
 import logging
 
 from torch import nn
@@ -55,7 +56,10 @@ def parallelize_module(
         style._check(sub, path)
     call = ParallelizeCall(src_data_rank)
     for _, sub, style in targets:
-        style._apply(sub, mesh, call)
+        if "call" in inspect.signature(style._apply).parameters:
+            style._apply(sub, mesh, call)
+        else:  # a style written for PyTorch: _apply(module, device_mesh)
+            style._apply(sub, mesh)
     collective_workspace(mesh)  # activations cross this dim every step
     return module
 

@@ -49,6 +49,7 @@ from dtensor.placement import (
     chunk_sizes,
     format_placements,
     from_torch_placement,
+    is_shard_like,
     is_torch_placement,
 )
 from dtensor.tensor import DTensor, redistribute_dtensor
@@ -72,8 +73,11 @@ class ParallelStyle:
     """Base class of the styles ``parallelize_module`` applies.
 
     A subclass sets ``supported`` (module types; empty means any) and implements
-    ``_apply(module, mesh, call)``, where ``call`` is the ``ParallelizeCall`` in progress.
-    A plan maps module paths to instances of its subclasses.
+    ``_apply(module, device_mesh)``, PyTorch's abstract method, so styles written for
+    PyTorch (torchtitan's ``NoParallel``) work unchanged. The styles here take a third
+    argument, ``call``, the ``ParallelizeCall`` in progress; ``parallelize_module`` passes it
+    to an ``_apply`` that has a parameter of that name. A plan maps module paths to
+    instances of its subclasses.
 
     Example:
         >>> plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel()}
@@ -94,8 +98,12 @@ class ParallelStyle:
                 "PrepareModuleOutput/SequenceParallel for this module."
             )
 
-    def _apply(self, module: nn.Module, mesh, call: ParallelizeCall) -> None:
-        raise NotImplementedError
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        """Lay ``module`` out over ``device_mesh`` (in place); return it."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement _apply(self, module, device_mesh), as "
+            "PyTorch's ParallelStyle subclasses do."
+        )
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
@@ -225,7 +233,7 @@ def _global_shape(x: torch.Tensor, mesh, layout, uneven: bool, last: int | None)
     input, run with ``DTENSOR_CHECK_SHARDS=1``: every plain shard input then exchanges its
     sizes, and one taken as even that is not raises, naming the fix, on every rank.
     """
-    if not isinstance(layout, Shard) or mesh.size() == 1:
+    if not is_shard_like(layout) or mesh.size() == 1:
         return x.shape
     dim = layout.dim % x.ndim
     shape = list(x.shape)
@@ -671,3 +679,49 @@ class PrepareModuleOutput(ParallelStyle):
             return new[0] if single else type(out)(new)
 
         module.register_forward_hook(_eager(hook))
+
+
+class PrepareModuleInputOutput(ParallelStyle):
+    """``PrepareModuleInput`` and ``PrepareModuleOutput`` on one module, with PyTorch's
+    arguments: the inputs' layouts (``use_local_input``: hand the module local tensors) and
+    the outputs' (``use_local_output``, default True: return local tensors).
+
+    Example:
+        >>> PrepareModuleInputOutput(
+        ...     input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),),
+        ...     output_layouts=Replicate(), desired_output_layouts=Shard(0))
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts=None,
+        desired_input_layouts=None,
+        input_kwarg_layouts=None,
+        desired_input_kwarg_layouts=None,
+        use_local_input: bool = False,
+        output_layouts,
+        desired_output_layouts,
+        use_local_output: bool = True,
+    ):
+        self.prepare_module_input = PrepareModuleInput(
+            input_layouts=input_layouts,
+            desired_input_layouts=desired_input_layouts,
+            input_kwarg_layouts=input_kwarg_layouts,
+            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+            use_local_output=use_local_input,
+        )
+        self.prepare_module_output = PrepareModuleOutput(
+            output_layouts=output_layouts,
+            desired_output_layouts=desired_output_layouts,
+            use_local_output=use_local_output,
+        )
+
+    def _check(self, module, path):
+        self.prepare_module_input._check(module, path)
+        self.prepare_module_output._check(module, path)
+
+    def _apply(self, module, mesh, call=None):
+        self.prepare_module_input._apply(module, mesh, call)
+        self.prepare_module_output._apply(module, mesh, call)
+        return module
