@@ -9,7 +9,7 @@ Example:
     >>> loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
 """
 
-from fsdp2.api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp2.api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from fsdp2.fully_shard import (
     FSDPModule,
     UnshardHandle,
@@ -25,6 +25,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "register_fsdp_forward_method",
     "parallelize_transformer",
 ]

@@ -331,6 +331,7 @@ class FSDPModule:
             g.discard_unsharded()
         out = super()._apply(fn, *args, **kwargs)
         for g in groups:
+            g.adopt_assigned()  # a conversion that built new parameter objects
             if g.initialized:
                 g.refresh_dtypes()
         return out

@@ -20,6 +20,19 @@ each time, because ``module.to_empty()`` / ``.to()`` / ``.float()`` swap the con
 (this ``FSDPParam``), and the new sharded one with ``_fsdp_managed``, so that later calls
 recognise tied uses, a second call on an already sharded module, and an optimizer built on
 the originals (``_replaced.py``) without any registry.
+
+[Note: assigned parameters] A module may be given a new sharded parameter after
+``fully_shard``: ``load_state_dict(sd, assign=True)`` with DTensors laid out like the current
+ones (accelerate's ``cpu_ram_efficient_loading`` and torchtitan's seed checkpoint load this
+way into a model sharded on the meta device), a user's ``module.weight = nn.Parameter(dt)``,
+or a conversion that builds new parameters. The ``FSDPParam`` adopts it (``adopt_assigned``):
+after every load (a load post-hook), after a conversion, at the root's lazy init and before
+every all-gather from the sharded state. The new parameter must be a DTensor with the
+current mesh, placements and global shape, and this rank's block as its local tensor; it is
+moved to the shard's device when it lies elsewhere. The parameter it replaced is marked like
+an original ([Note: replaced parameters]), so an optimizer built before the load raises at
+its first ``step()``. A tied parameter adopts the one assigned last and registers it at every
+use again.
 """
 
 from __future__ import annotations
@@ -52,7 +65,7 @@ from dtensor.spec import (
     set_local,
     spec_of,
 )
-from dtensor.tensor import redistribute_dtensor
+from dtensor.tensor import is_torch_dtensor, redistribute_dtensor, torch_dtensor_message
 from fsdp2._storage import UnshardedStorage
 
 # The C++ use count of a storage (every tensor and view over it, autograd's saved ones
@@ -68,10 +81,26 @@ def _python_references(t: torch.Tensor) -> int:
 
 
 @dataclass(frozen=True)
+class SpmdDims:
+    """``fully_shard(dp_mesh_dims=...)``: the full mesh the parameters live on, and the index
+    in it of the dim FSDP shards over and of HSDP's replicate dim (None without)."""
+
+    mesh: object
+    shard_index: int
+    replicate_index: int | None
+
+    @property
+    def dp_indices(self) -> frozenset[int]:
+        """The data-parallel dims of ``mesh``."""
+        return frozenset(i for i in (self.shard_index, self.replicate_index) if i is not None)
+
+
+@dataclass(frozen=True)
 class MeshInfo:
     """How a ``fully_shard`` mesh is used: one dim shards, an optional other dim replicates.
 
-    ``shard_rank`` is this rank's index along the shard dim (its chunk index).
+    ``shard_rank`` is this rank's index along the shard dim (its chunk index). ``spmd``: the
+    full mesh of ``dp_mesh_dims`` (``mesh`` is then its data-parallel dims), else None.
     """
 
     mesh: object
@@ -80,6 +109,7 @@ class MeshInfo:
     shard_size: int
     shard_rank: int
     replicate_size: int
+    spmd: SpmdDims | None = None
 
     @property
     def shard_group(self):
@@ -111,6 +141,8 @@ def _spmd_layout(info: MeshInfo, shard_dim: int, tp_spec: DTensorSpec | None):
     """
     if tp_spec is None:
         return info.mesh, info.placements(shard_dim)
+    if info.spmd is not None:
+        return _full_mesh_layout(info.spmd, shard_dim, tp_spec)
     mesh = concatenate_meshes([info.mesh, tp_spec.mesh])
     split = 1
     for i, p in enumerate(tp_spec.placements):
@@ -119,6 +151,20 @@ def _spmd_layout(info: MeshInfo, shard_dim: int, tp_spec: DTensorSpec | None):
     fsdp = StridedShard(shard_dim, split) if split > 1 else Shard(shard_dim)
     dp = (Replicate(), fsdp) if info.replicate_mesh_dim is not None else (fsdp,)
     return mesh, (*dp, *tp_spec.placements)
+
+
+def _full_mesh_layout(spmd: SpmdDims, shard_dim: int, spec: DTensorSpec):
+    """``dp_mesh_dims``: the parameter's own mesh and placements, with the shard dim's
+    ``Replicate()`` turned into FSDP's shard of the local tensor - ``StridedShard`` when later
+    mesh dims shard the same tensor dim, so FSDP's block splits inside theirs."""
+    mesh, placements = spec.mesh, list(spec.placements)
+    split = 1
+    for j in range(spmd.shard_index + 1, mesh.ndim):
+        p = placements[j]
+        if isinstance(p, (Shard, StridedShard)) and p.dim == shard_dim:
+            split *= mesh.size(j)
+    placements[spmd.shard_index] = StridedShard(shard_dim, split) if split > 1 else Shard(shard_dim)
+    return mesh, tuple(placements)
 
 
 class CheckedParameter(nn.Parameter):
@@ -200,6 +246,7 @@ class FSDPParam:
         self.spmd_mesh, self.placements = _spmd_layout(mesh_info, shard_dim, self.tp_spec)
         self._original = weakref.ref(param)
         self.pin_memory = pin_memory  # CPU offload: keep the shard in page-locked memory
+        self.shard_device = device  # where the shard lives (its local tensor; meta until built)
         self.sharded_param = self._shard(param, device)
         self.unsharded_param: nn.Parameter | None = None
         self.storage: UnshardedStorage | None = None
@@ -281,6 +328,95 @@ class FSDPParam:
         )
         dt = from_spec(local, spec)
         return nn.Parameter(dt, requires_grad=param.requires_grad)
+
+    # ------------------------------------------------------------------------- assigned
+    def assigned(self, at: tuple | None = None) -> torch.Tensor | None:
+        """A parameter registered at one of the locations (only at ``at``, a ``(module,
+        attribute)``, when given) in place of the sharded one ([Note: assigned
+        parameters]): the first such, in location order; None if none."""
+        own = (self.sharded_param, self.unsharded_param)
+        for module, name in self.locations if at is None else [at]:
+            current = module._parameters.get(name)
+            if current is not None and all(current is not t for t in own):
+                return current
+        return None
+
+    def adopt_assigned(self, at: tuple | None = None) -> bool:
+        """Adopt a newly assigned sharded parameter (at ``at`` only, when given), if any,
+        and register it at every location; whether one was adopted. Call it only while the
+        group is sharded."""
+        new = self.assigned(at)
+        if new is None:
+            return False
+        self._adopt(self._checked_assignment(new))
+        self.to_sharded()
+        return True
+
+    def _checked_assignment(self, new: torch.Tensor) -> nn.Parameter:
+        """``new`` validated against the current layout, on the shard's device, contiguous."""
+        expected = (
+            f"a DTensor on {self.spmd_mesh!r} with placements {tuple(self.placements)} and "
+            f"global shape {tuple(self.global_shape)}"
+        )
+        fix = (
+            "Build it from the current parameter p: distribute_tensor(full_tensor, "
+            "p.device_mesh, p.placements) (dtensor's), as load_state_dict(sd, assign=True) "
+            "expects."
+        )
+        if not isinstance(new, DTensor) and is_torch_dtensor(new):
+            raise TypeError(torch_dtensor_message("fully_shard", f"parameter {self.fqn!r}", new))
+        if not isinstance(new, DTensor):
+            raise TypeError(
+                f"fully_shard: parameter {self.fqn!r} was assigned a {type(new).__name__} of "
+                f"shape {tuple(new.shape)}; a sharded parameter must be {expected}. {fix}"
+            )
+        if is_managed(new) or replaced_by(new) is not None:
+            raise ValueError(
+                f"fully_shard: parameter {self.fqn!r} was assigned a parameter fully_shard "
+                "already manages or replaced (another module's sharded parameter: a tie made "
+                "after fully_shard?). Tie parameters before calling fully_shard, or assign a "
+                f"new DTensor. {fix}"
+            )
+        spec = spec_of(new)
+        if (spec.mesh, tuple(spec.placements), new.shape) != (
+            self.spmd_mesh,
+            tuple(self.placements),
+            self.global_shape,
+        ):
+            raise ValueError(
+                f"fully_shard: parameter {self.fqn!r} was assigned a DTensor on {spec.mesh!r} "
+                f"with placements {tuple(spec.placements)} and global shape {tuple(new.shape)}; "
+                f"it must be {expected}. {fix}"
+            )
+        local = local_of(new)
+        want = list(self.shape)
+        want[self.shard_dim] = self.local_rows
+        if tuple(local.shape) != tuple(want):
+            raise ValueError(
+                f"fully_shard: parameter {self.fqn!r} was assigned a DTensor whose local tensor "
+                f"has shape {tuple(local.shape)}; this rank's block is {tuple(want)}. {fix}"
+            )
+        moved = local
+        if local.device.type != "meta" and local.device != self.shard_device:
+            moved = local.to(self.shard_device)
+        moved = moved.contiguous()
+        if moved is local:
+            return new
+        return nn.Parameter(from_spec(moved, spec), requires_grad=new.requires_grad)
+
+    def _adopt(self, new: nn.Parameter) -> None:
+        """Make ``new`` the sharded parameter; the old one is marked replaced."""
+        old = self.sharded_param
+        old._fsdp_replaced_by = self
+        new._fsdp_managed = getattr(old, "_fsdp_managed", True)
+        self.sharded_param = new
+        if new.requires_grad != self.requires_grad:
+            self.requires_grad = new.requires_grad
+            if self.unsharded_param is not None:
+                with internal():
+                    self.unsharded_param.requires_grad_(new.requires_grad)
+        if self.local.device.type == "cpu":
+            self.pin_local()
 
     @property
     def local(self) -> torch.Tensor:
@@ -425,8 +561,15 @@ class FSDPParam:
         redistributed to the parameter's TP placements."""
         if not isinstance(grad, DTensor):
             return grad
-        if grad.placements != self.tp_spec.placements:
-            grad = redistribute_dtensor(grad, self.tp_spec.placements)
+        target = tuple(self.tp_spec.placements)
+        spmd = self.mesh_info.spmd
+        if spmd is not None:  # dp_mesh_dims: the data-parallel dims are FSDP's to reduce
+            target = tuple(
+                g if i in spmd.dp_indices else t
+                for i, (g, t) in enumerate(zip(grad.placements, target, strict=True))
+            )
+        if tuple(grad.placements) != target:
+            grad = redistribute_dtensor(grad, target)
         return local_of(grad)
 
     # ------------------------------------------------------------------------- registration

@@ -261,11 +261,34 @@ class FSDPParamGroup:
         for p in self.params:
             p.pin_local()
 
+    def adopt_assigned(self, fp: FSDPParam | None = None, at: tuple | None = None) -> None:
+        """[Note: assigned parameters] Adopt the sharded parameters assigned since the last
+        look (``load_state_dict(assign=True)``, a user's assignment, a conversion): every
+        parameter's, or only ``fp``'s at location ``at``; only while sharded, where the
+        modules register the shards. Recomputes what the dtypes decide when one was adopted
+        after lazy init."""
+        if self.state is not ShardedState.SHARDED:
+            return
+        if fp is None:
+            adopted = [p.adopt_assigned() for p in self.params]
+        else:
+            adopted = [fp.adopt_assigned(at)]
+        if any(adopted):
+            self._gathered_versions = None
+            if self.initialized:
+                self.refresh_dtypes()
+
+    def on_meta(self) -> list[FSDPParam]:
+        """The parameters whose shard is still on the meta device."""
+        return [p for p in self.params if p.local.device.type == "meta"]
+
     def follow_meta(self) -> None:
-        """[Note: dry run on meta] Parameters still on the meta device at the first forward
-        (a model built on meta and never materialized, under PyTorch's fake process group)
-        are gathered and computed on meta: every buffer is a meta tensor, so a dry run of a
-        large model in one process allocates nothing and issues the real collectives."""
+        """[Note: dry run on meta] Under PyTorch's fake process group, a group whose
+        parameters are all still on the meta device at the first forward (a model built on
+        meta and never materialized) is gathered and computed on meta: every buffer is a meta
+        tensor, so a dry run of a large model in one process allocates nothing and issues the
+        real collectives. Anywhere else a parameter on meta at the first forward is an error
+        (``_check_materialized`` in ``_state.py``)."""
         if self.params and all(p.local.device.type == "meta" for p in self.params):
             self.device = torch.device("meta")
             self.offload = self.pin_memory = False
@@ -340,6 +363,7 @@ class FSDPParamGroup:
     # --------------------------------------------------------------------------- requests
     def unshard(self) -> None:
         """Start the all-gather (returns at once); ``wait_for_unshard`` completes it."""
+        self.adopt_assigned()
         state = self.state
         if state is ShardedState.UNSHARDING:
             return

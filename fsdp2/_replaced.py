@@ -59,5 +59,7 @@ def check_optimizer(optimizer, args, kwargs) -> None:
             "this step would train nothing. Build the optimizer after fully_shard, on "
             "model.parameters(). (If it was built after fully_shard, a module outside every "
             "fully_shard call still registers the replaced parameter, e.g. a tied weight: "
-            "call fully_shard on a module that contains both uses.)"
+            "call fully_shard on a module that contains both uses. If parameters were "
+            "assigned after fully_shard - load_state_dict(sd, assign=True) - build the "
+            "optimizer after that load.)"
         )

@@ -47,6 +47,7 @@ from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map
 
+from device_mesh.groups import simulated_world
 from dtensor import debug
 from fsdp2._comm_context import CommContext
 from fsdp2._lifecycle import FSDPStateError, ShardedState, TrainingState, check_move
@@ -267,7 +268,9 @@ class FSDPState:
         _check_tied_leftovers(self.modules)
         groups = [s.group for s in states if s.group is not None]
         for g in groups:
-            g.follow_meta()
+            g.adopt_assigned()  # [Note: assigned parameters]
+        _check_materialized(groups)
+        for g in groups:
             g.check_offload()
         device = groups[0].device if groups else torch.device("cpu")
         check_freed = any(s.check_freed for s in states)  # any call of this root asked
@@ -630,6 +633,32 @@ def _name_params(states, paths: dict[int, str]) -> None:
             path = paths.get(id(module))
             if path is not None:
                 p.fqn = f"{path}.{attr}" if path else attr
+
+
+def _check_materialized(groups) -> None:
+    """No parameter may still be on the meta device at the first forward, as in PyTorch's
+    FSDP2: it would compute on meta and fail later, far from the cause. A dry run under
+    PyTorch's fake process group, where every parameter of a group is on meta, computes on
+    meta instead ([Note: dry run on meta] in ``_param_group.py``)."""
+    on_meta = []
+    for g in groups:
+        mine = g.on_meta()
+        if mine and simulated_world() and len(mine) == len(g.params):
+            g.follow_meta()
+        else:
+            on_meta += mine
+    if not on_meta:
+        return
+    names = ", ".join(repr(p.fqn) for p in on_meta[:6]) + (" ..." if len(on_meta) > 6 else "")
+    device = groups[0].device.type
+    raise RuntimeError(
+        f"fully_shard: {len(on_meta)} parameter(s) are still on the meta device at the first "
+        f"forward: {names}. Materialize them before training: model.to_empty(device="
+        f"{device!r}) and then initialize them (model.reset_parameters(), or each module's "
+        "reset_parameters()), or load sharded values with model.load_state_dict(sharded_sd, "
+        "assign=True), each value a DTensor built with distribute_tensor(full, "
+        "p.device_mesh, p.placements) from the parameter p it replaces."
+    )
 
 
 def _check_pending_ties(states, paths: dict[int, str]) -> None:

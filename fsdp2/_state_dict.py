@@ -12,7 +12,9 @@ backward), as in PyTorch's FSDP2. So, on every module that registers a managed p
   cannot (a deliberate difference, docs/fsdp2.md);
 * loading reshards first (the rows ``reshard_after_forward=int`` kept included), so the
   next forward gathers the loaded values; a load from inside a forward or backward is an
-  error, since autograd has already saved the old values.
+  error, since autograd has already saved the old values. After the load, parameters that
+  ``load_state_dict(sd, assign=True)`` replaced are adopted as the new shards ([Note:
+  assigned parameters] in ``_param.py``), as PyTorch's FSDP2 does in its load post-hook.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def add_location(module: nn.Module, attr: str, fsdp_param) -> None:
         module.register_state_dict_pre_hook(_swap_in_sharded)
         module.register_state_dict_post_hook(_swap_back)
         module.register_load_state_dict_pre_hook(_reshard_before_load)
+        module.register_load_state_dict_post_hook(_adopt_after_load)
     locations[attr] = fsdp_param
 
 
@@ -59,6 +62,11 @@ def _swap_back(module, state_dict, prefix, local_metadata) -> None:
 
 
 def _reshard_before_load(module, state_dict, prefix, *args) -> None:
+    for attr, fp in module.__dict__["_fsdp_locations"].items():
+        first_module, first_attr = fp.locations[0]
+        if first_module is module and first_attr == attr and fp.group is not None:
+            if not fp.group.initialized:  # lazy init names it from the root
+                fp.fqn = prefix + attr  # the key it loads from, for messages
     for group in _groups_of(module):
         if _computing(group):
             fp = next(p for p in group.params if p.locations)
@@ -68,3 +76,11 @@ def _reshard_before_load(module, state_dict, prefix, *args) -> None:
                 "steps, after backward and the optimizer step."
             )
         group.discard_unsharded()
+
+
+def _adopt_after_load(module, incompatible_keys) -> None:
+    """``load_state_dict(..., assign=True)`` registered new sharded parameters on ``module``:
+    adopt them (only this module's: the modules after it in the load are not loaded yet)."""
+    for attr, fp in module.__dict__["_fsdp_locations"].items():
+        if fp.group is not None:
+            fp.group.adopt_assigned(fp, (module, attr))

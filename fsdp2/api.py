@@ -1,4 +1,5 @@
-"""Policies passed to ``fully_shard``: mixed precision and offloading."""
+"""Policies passed to ``fully_shard``: mixed precision, offloading, and the data-parallel dims
+of a full SPMD mesh (``DataParallelMeshDims``)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,91 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+
+@dataclass(frozen=True)
+class DataParallelMeshDims:
+    """Which named dims of a full SPMD mesh are data parallel, for ``fully_shard(mesh=...,
+    dp_mesh_dims=...)`` (PyTorch's "full DTensor" mode, as in torchtitan).
+
+    ``mesh`` is then the whole mesh the parameters already live on - data-parallel dims and
+    tensor-parallel ones alike - and every parameter is a DTensor on it with ``Replicate()``
+    on the data-parallel dims. ``fully_shard`` shards each parameter over the ``shard`` dim
+    (its placement there becomes ``Shard(d)``), replicates it over the ``replicate`` dim
+    (HSDP), and leaves the other dims' placements as they are.
+
+    Attributes:
+        shard: the mesh dim name FSDP shards over (required here; PyTorch also takes a tuple
+            of names, flattened into one dim, and None for plain replication - not
+            supported here yet: ``fully_shard`` raises NotImplementedError).
+        replicate: the mesh dim name of HSDP's replication, or None.
+
+    Raises:
+        ValueError: neither is set, or a name is not a str (or a tuple of str).
+
+    Example:
+        >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        >>> # every parameter: a DTensor on mesh, Replicate() on "dp", TP placements on "tp"
+        >>> fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    """
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError(
+                "DataParallelMeshDims: set shard (the mesh dim name FSDP shards over), "
+                "replicate (HSDP's replication dim), or both; got neither."
+            )
+        for field_name in ("shard", "replicate"):
+            value = getattr(self, field_name)
+            names = (value,) if isinstance(value, str) else value
+            if names is not None and not (
+                isinstance(names, tuple) and names and all(isinstance(n, str) for n in names)
+            ):
+                raise ValueError(
+                    f"DataParallelMeshDims: {field_name} must be a mesh dim name (str), a "
+                    f"non-empty tuple of names, or None; got {value!r}."
+                )
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        """``shard`` as a tuple of names (empty when None)."""
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        """``replicate`` as a tuple of names (empty when None)."""
+        return _names(self.replicate)
+
+
+def _names(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def as_dp_mesh_dims(dims, *, api: str = "fully_shard") -> DataParallelMeshDims | None:
+    """``dims`` as our ``DataParallelMeshDims`` (None stays None); PyTorch's is converted.
+
+    Raises:
+        TypeError: anything else, naming its type and the import to use.
+
+    Example:
+        >>> from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
+        >>> as_dp_mesh_dims(TorchDims(shard="dp")).shard
+        'dp'
+    """
+    if dims is None or isinstance(dims, DataParallelMeshDims):
+        return dims
+    if _is_torch_policy(dims, "DataParallelMeshDims"):
+        return DataParallelMeshDims(shard=dims.shard, replicate=dims.replicate)
+    raise TypeError(
+        f"{api}: dp_mesh_dims must be an fsdp2.DataParallelMeshDims (or PyTorch's) or None, "
+        f"got {type(dims).__module__}.{type(dims).__qualname__}. Use "
+        "`from fsdp2 import DataParallelMeshDims`."
+    )
 
 
 def _is_torch_policy(obj, name: str) -> bool:

@@ -18,6 +18,7 @@ typically the root). A pending tie left at the first forward is an error naming 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,18 +29,20 @@ from torch import nn
 from device_mesh import DeviceMesh, as_device_mesh, concatenate_meshes, init_device_mesh
 from device_mesh.groups import backend_for
 from dtensor import DTensor
-from dtensor.placement import Shard, from_torch_placement
+from dtensor.placement import Replicate, Shard, from_torch_placement
 from dtensor.tensor import is_torch_dtensor, torch_dtensor_message
 from fsdp2._module import FSDPModule, UnshardHandle, register_fsdp_forward_method, swap_class
-from fsdp2._param import FSDPParam, MeshInfo, is_managed, replaced_by
+from fsdp2._param import FSDPParam, MeshInfo, SpmdDims, is_managed, replaced_by
 from fsdp2._param_group import PostForwardMesh
 from fsdp2._replaced import install_optimizer_check
 from fsdp2._state import FSDPState
 from fsdp2._state_dict import add_location
 from fsdp2.api import (
     CPUOffloadPolicy,
+    DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
+    as_dp_mesh_dims,
     as_mp_policy,
     as_offload_policy,
 )
@@ -59,13 +62,15 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (frozen, immutable)
     ignored_params: set[nn.Parameter] | None = None,
     check_freed: bool = False,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ):
     """Shard ``module``'s parameters over ``mesh`` and gather them only while it computes.
 
     Call it bottom-up: on each transformer block, then on the root. Every parameter of
     ``module`` not already taken by an inner call becomes an ``nn.Parameter`` holding a
     ``DTensor`` sharded ``(Shard(0),)`` over a 1-D mesh (``(Replicate(), Shard(0))`` over a
-    2-D mesh: HSDP). Build the optimizer afterwards, on ``model.parameters()``.
+    2-D mesh: HSDP). Build the optimizer afterwards, on ``model.parameters()``. Returns
+    ``module`` itself, now also an ``FSDPModule``.
 
     Args:
         module: a module, or a list of modules that share one all-gather.
@@ -84,9 +89,8 @@ def fully_shard(
             instead of reading freed memory. A debugging aid: it costs a Python check per
             operation on unsharded parameters. The environment variable
             ``FSDP2_CHECK_FREED=1`` (or ``=0``) overrides it.
-
-    Returns:
-        ``module`` itself, now also an ``FSDPModule``.
+        dp_mesh_dims: ``DataParallelMeshDims``: ``mesh`` is the full mesh the parameters
+            (DTensors, ``Replicate()`` on these dims) live on; see ``DataParallelMeshDims``.
 
     Raises:
         ValueError / TypeError: invalid arguments, naming the argument and value, raised on
@@ -94,14 +98,14 @@ def fully_shard(
         RuntimeError: ``fully_shard`` called on a module inside one already sharded.
 
     Example:
-        >>> model = GPT(cfg)
-        >>> for block in model.blocks:
+        >>> for block in model.blocks:  # model = GPT(cfg)
         ...     fully_shard(block)
         >>> fully_shard(model)
         >>> opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     """
     # 1. validate: nothing is modified and no process group is created before this passes
-    call = _validate(module, mesh, reshard_after_forward, mp_policy, offload_policy, check_freed)
+    args = (reshard_after_forward, mp_policy, offload_policy, check_freed, dp_mesh_dims)
+    call = _validate(module, mesh, *args)
     plan = _checked_plan(call, ignored_params, shard_placement_fn)
     # 2. process groups, 3. the sharded parameters (the modules still untouched), 4. install
     post_forward = _post_forward_mesh(call)
@@ -125,11 +129,12 @@ class _Call:
     check_freed: bool
 
 
-def _validate(module, mesh, reshard_after_forward, mp_policy, offload_policy, check_freed):
+def _validate(module, mesh, reshard_after_forward, mp_policy, offload_policy, check_freed, dims):
     """Step 1a: the arguments, checked and converted (PyTorch's mesh and policies)."""
     modules = _as_modules(module)
     mesh = _default_mesh() if mesh is None else as_device_mesh(mesh, api=_API)
-    info = _mesh_info(mesh)
+    dims = as_dp_mesh_dims(dims, api=_API)
+    info = _mesh_info(mesh) if dims is None else _spmd_mesh_info(mesh, dims, reshard_after_forward)
     device = _compute_device(mesh)
     _check_reshard_after_forward(reshard_after_forward, info)
     if not isinstance(check_freed, bool):
@@ -151,7 +156,10 @@ def _checked_plan(call: _Call, ignored_params, shard_placement_fn) -> _Plan:
     changes)."""
     plan = _collect_params(call.modules, _ignored_ids(ignored_params))
     _check_params(plan, call.device)
-    _check_tensor_parallel(plan, call.mesh)
+    if call.info.spmd is None:
+        _check_tensor_parallel(plan, call.mesh)
+    else:
+        _check_spmd_params(plan, call.info.spmd)
     plan.dims = [_shard_dim(shard_placement_fn, p, plan.names[id(p)]) for p, _ in plan.new]
     _check_take_overs(plan, call.info)
     return plan
@@ -380,6 +388,93 @@ def _mesh_info(mesh: DeviceMesh) -> MeshInfo:
         shard_rank=coord[shard_dim],
         replicate_size=mesh.size(0) if mesh.ndim == 2 else 1,
     )
+
+
+def _spmd_mesh_info(mesh: DeviceMesh, dims: DataParallelMeshDims, reshard_after_forward):
+    """``dp_mesh_dims``: the data-parallel part of the full ``mesh`` (its shard dim, after
+    the replicate dim for HSDP) as a ``MeshInfo`` that also knows the full mesh."""
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(
+            f"{_API}: dp_mesh_dims names mesh dims, but mesh {mesh!r} has no mesh_dim_names. "
+            'Build it with init_device_mesh(..., mesh_dim_names=("dp", "tp")).'
+        )
+    for name in (*dims.shard_names, *dims.replicate_names):
+        if name not in names:
+            raise ValueError(
+                f"{_API}: dp_mesh_dims={dims!r} names {name!r}, which is not a dim of the "
+                f"mesh; its dims are {names}."
+            )
+    _check_spmd_supported(dims, reshard_after_forward)
+    shard, replicate = dims.shard_names[0], (dims.replicate_names or (None,))[0]
+    if shard == replicate:
+        raise ValueError(
+            f"{_API}: dp_mesh_dims={dims!r} names {shard!r} as both shard and replicate dim."
+        )
+    if replicate is not None and names.index(replicate) > names.index(shard):
+        raise NotImplementedError(
+            f"{_API}: dp_mesh_dims={dims!r}: the replicate dim {replicate!r} must come before "
+            f"the shard dim {shard!r} in the mesh {names} (HSDP's (replicate, shard) order)."
+        )
+    dp_mesh = mesh[shard] if replicate is None else mesh[(replicate, shard)]
+    spmd = SpmdDims(
+        mesh=mesh,
+        shard_index=names.index(shard),
+        replicate_index=None if replicate is None else names.index(replicate),
+    )
+    return dataclasses.replace(_mesh_info(dp_mesh), spmd=spmd)
+
+
+def _check_spmd_supported(dims: DataParallelMeshDims, reshard_after_forward) -> None:
+    """The parts of PyTorch's ``dp_mesh_dims`` this library does not implement."""
+    if not dims.shard_names:
+        raise NotImplementedError(
+            f"{_API}: dp_mesh_dims={dims!r} has no shard dim (plain replication, PyTorch's "
+            "DDP mode), which is not supported here: this runtime always shards. Name the "
+            "data-parallel dim as shard (FSDP), or shard and replicate (HSDP)."
+        )
+    if len(dims.shard_names) > 1 or len(dims.replicate_names) > 1:
+        raise NotImplementedError(
+            f"{_API}: dp_mesh_dims={dims!r} names several mesh dims in one field (PyTorch "
+            "flattens them into one dim), which is not supported here. Build the mesh with "
+            "one dim per data-parallel role (e.g. flatten dp_shard and cp into one dim)."
+        )
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"{_API}: reshard_after_forward={reshard_after_forward} (an int) is not supported "
+            "with dp_mesh_dims (as in PyTorch); pass True or False."
+        )
+
+
+def _check_spmd_params(plan: _Plan, spmd: SpmdDims) -> None:
+    """``dp_mesh_dims``: every parameter is a DTensor on the full mesh, ``Replicate()`` on
+    the data-parallel dims and no ``Partial`` anywhere."""
+    names = spmd.mesh.mesh_dim_names
+    for p, _locations in plan.new:
+        name = plan.names[id(p)]
+        fix = (
+            "With dp_mesh_dims every parameter must be a DTensor on the mesh passed to "
+            "fully_shard, Replicate() on its data-parallel dims (e.g. distribute_tensor(t, "
+            "mesh, [Replicate(), Shard(0)]) or parallelize_module over the full mesh)."
+        )
+        if not isinstance(p, DTensor):
+            raise ValueError(f"{_API}: parameter {name!r} is a plain tensor. {fix}")
+        if p.device_mesh != spmd.mesh:
+            raise ValueError(
+                f"{_API}: parameter {name!r} lives on {p.device_mesh!r}, not on the mesh "
+                f"{spmd.mesh!r} passed to fully_shard. {fix}"
+            )
+        for i in sorted(spmd.dp_indices):
+            if not isinstance(p.placements[i], Replicate):
+                raise ValueError(
+                    f"{_API}: parameter {name!r} has placement {p.placements[i]!r} on the "
+                    f"data-parallel mesh dim {names[i]!r}; it must be Replicate(). {fix}"
+                )
+        if any(pl.is_partial() for pl in p.placements):
+            raise ValueError(
+                f"{_API}: parameter {name!r} is a Partial DTensor; redistribute it to "
+                "Shard/Replicate before fully_shard."
+            )
 
 
 def _shard_storage(offload_policy, device: torch.device) -> tuple[torch.device, bool]:
