@@ -115,7 +115,8 @@ def test_a_save_in_flight_keeps_its_partial_directory(tmp_path, monkeypatch):
         assert ".ckpt.partial-0123456789ab" in _aside(tmp_path, "partial")
     finally:
         release.set()
-    assert future.result(timeout=60) is None  # committed: it replaced the synchronous one
+    md = future.result(timeout=60)  # committed: it replaced the synchronous one
+    assert {"model.w", "model.b", "step"} <= set(md.state_dict_metadata)  # PyTorch's Metadata
     assert torch.equal(_load(path)["model"]["w"], torch.full((5, 3), 2.0))
     # with nothing in flight any more, the next save removes the leftover
     dcp.save(_state(4.0), checkpoint_id=path)

@@ -27,6 +27,7 @@ import logging
 import os
 import shutil
 import uuid
+import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -34,7 +35,19 @@ from pathlib import Path
 import torch
 
 from dtensor.checkpoint._comm import Group
+from dtensor.checkpoint._compat import (
+    expand_stateful,
+    group_for,
+    load_back,
+    nested_stateful,
+    resolve_reader,
+    resolve_writer,
+)
 from dtensor.checkpoint._flatten import decode_value, encode_value, flatten, set_path
+from dtensor.checkpoint._read import _aside_dirs
+from dtensor.checkpoint._read import _kept_checkpoint as _kept_checkpoint  # re-exported
+from dtensor.checkpoint._read import read_metadata as read_metadata  # re-exported
+from dtensor.checkpoint.default_planner import SaveOptions, load_allows_partial, save_options
 from dtensor.checkpoint.errors import CheckpointError
 from dtensor.checkpoint.metadata import (
     METADATA_FILE,
@@ -42,9 +55,10 @@ from dtensor.checkpoint.metadata import (
     FileEntry,
     Metadata,
     TensorEntry,
-    parse_metadata,
 )
 from dtensor.checkpoint.planner import LocalItem, assign_writers, local_item, read_plan
+from dtensor.checkpoint.public_metadata import Metadata as PublicMetadata
+from dtensor.checkpoint.public_metadata import to_public
 from dtensor.checkpoint.storage import DataFile, write_file
 from dtensor.tensor import DTensor
 
@@ -56,33 +70,91 @@ except ImportError:  # not POSIX: no locks, so leftovers of killed saves are nev
 logger = logging.getLogger(__name__)
 
 
-def save(state_dict: Mapping, *, checkpoint_id: str | os.PathLike, process_group=None) -> None:
-    """Write ``state_dict`` (nested dicts of DTensors, tensors and plain values) to a directory.
+def save(
+    state_dict: Mapping,
+    *,
+    checkpoint_id: str | os.PathLike | None = None,
+    storage_writer=None,
+    planner=None,
+    process_group=None,
+    no_dist: bool = False,
+    use_collectives: bool = True,
+) -> PublicMetadata:
+    """Write ``state_dict`` (nested dicts of DTensors, tensors, plain values and Stateful
+    objects) to a directory; returns the checkpoint's :class:`~dtensor.checkpoint.Metadata`.
 
     Every rank of ``process_group`` (default: the world, or just this process when no group
-    is initialized) calls it with its own shards. An existing checkpoint at ``checkpoint_id``
-    is replaced only once the new one is complete.
+    is initialized, or with ``no_dist=True``) calls it with its own shards. The target is
+    ``checkpoint_id``, or ``storage_writer`` (a :class:`~dtensor.checkpoint.FileSystemWriter`
+    or :class:`~dtensor.checkpoint.HuggingFaceStorageWriter`; ``checkpoint_id`` given too
+    re-targets it, as in PyTorch). ``planner``: None or ``DefaultSavePlanner(...)``. A
+    top-level value with ``state_dict()`` and ``load_state_dict()`` is saved as its
+    ``state_dict()``. An existing checkpoint is replaced only once the new one is complete.
+    ``use_collectives=False`` (PyTorch's uncoordinated save) is refused: the atomic commit
+    needs the ranks to agree.
 
     Example::
 
         >>> from dtensor import checkpoint as dcp
         >>> dcp.save({"model": model.state_dict(), "step": 10}, checkpoint_id="ckpt/step-10")
+        >>> dcp.save({"model": model, "optim": opt},                    # Stateful values
+        ...          storage_writer=dcp.FileSystemWriter("ckpt/step-10"),
+        ...          planner=dcp.DefaultSavePlanner())
     """
-    group = Group.of(process_group)
-    snapshot, problems = _snapshot(state_dict)
-    _write(snapshot, Path(checkpoint_id), group, problems)
+    writer, options, group = _save_arguments(
+        checkpoint_id, storage_writer, planner, process_group, no_dist, use_collectives
+    )
+    expanded = expand_stateful(state_dict)
+    snapshot, problems = _snapshot(expanded)
+    md = _persist(snapshot, writer, group, problems + nested_stateful(expanded), options)
+    return to_public(md, str(writer.path))
+
+
+def _save_arguments(checkpoint_id, storage_writer, planner, process_group, no_dist,
+                    use_collectives):  # fmt: skip
+    """Check a save's arguments (no collective yet): the writer, planner options, group."""
+    if use_collectives is not True:
+        raise ValueError(
+            f"use_collectives={use_collectives!r} is not supported: the atomic commit needs "
+            "every rank's files before metadata.json is written; pass use_collectives=True "
+            "(default), or no_dist=True to save from this process alone"
+        )
+    writer = resolve_writer(checkpoint_id, storage_writer)
+    return writer, save_options(planner), group_for(process_group, no_dist)
+
+
+def _persist(snapshot, writer, group: Group, problems: list, options: SaveOptions) -> Metadata:
+    """Write the snapshot where ``writer`` says: it calls back ``write`` (the save above)
+    with the directory and its own problems (a Hugging Face writer then exports)."""
+
+    def write(snap, target, grp, probs):
+        return _write(snap, target, grp, probs, lowest_rank=options.lowest_rank)
+
+    return writer._dcp_persist(write, snapshot, group, list(problems))
 
 
 def async_save(
-    state_dict: Mapping, *, checkpoint_id: str | os.PathLike, process_group=None
+    state_dict: Mapping,
+    *,
+    checkpoint_id: str | os.PathLike | None = None,
+    storage_writer=None,
+    planner=None,
+    process_group=None,
+    async_checkpointer_type=None,
+    async_stager=None,
+    no_dist: bool = False,
+    use_collectives: bool = True,
 ) -> Future:
     """Snapshot ``state_dict`` to CPU now, write it in a background thread; returns a future.
 
-    When it returns, the snapshot is taken: training may go on and change the model without
-    changing what is written. ``future.result()`` returns None once the checkpoint is
-    committed, or raises what ``save`` would have raised. The background thread talks over its
-    own gloo group (same ranks, created on first use), so its messages never interleave with
-    the training's collectives.
+    Takes :func:`save`'s arguments. When it returns, the snapshot is taken: training may go
+    on and change the model without changing what is written. ``future.result()`` returns
+    the checkpoint's ``Metadata`` once it is committed, as PyTorch's does, or raises what
+    ``save`` would have raised. The background thread talks over its own gloo group
+    (same ranks, created on first use), so its messages never interleave with the
+    training's collectives. ``async_checkpointer_type`` may be PyTorch's
+    ``AsyncCheckpointerType.THREAD`` (or ``"thread"``); a process (``PROCESS``) and a custom
+    ``async_stager`` are refused: the snapshot is this library's own CPU copy.
 
     Example::
 
@@ -90,14 +162,37 @@ def async_save(
         >>> train_more()
         >>> fut.result()
     """
-    group = Group.of(process_group)
-    snapshot, problems = _snapshot(state_dict, copy=True)
-    group.agree(problems)  # a value that cannot be saved raises here, on every rank
+    _check_async(async_checkpointer_type, async_stager)
+    writer, options, group = _save_arguments(
+        checkpoint_id, storage_writer, planner, process_group, no_dist, use_collectives
+    )
+    expanded = expand_stateful(state_dict)
+    snapshot, problems = _snapshot(expanded, copy=True)
+    group.agree(problems + nested_stateful(expanded))  # unsaveable values raise here, everywhere
     background = group.companion()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp-async-save")
-    future = pool.submit(_write, snapshot, Path(checkpoint_id), background, [])
+
+    def run():
+        return to_public(_persist(snapshot, writer, background, [], options), str(writer.path))
+
+    future = pool.submit(run)
     pool.shutdown(wait=False)
     return future
+
+
+def _check_async(async_checkpointer_type, async_stager) -> None:
+    kind = getattr(async_checkpointer_type, "value", async_checkpointer_type)
+    if kind not in (None, "thread"):
+        raise ValueError(
+            f"async_checkpointer_type={async_checkpointer_type!r} is not supported: the write "
+            "runs on a background thread of this process (a process would need the snapshot "
+            "pickled across); pass AsyncCheckpointerType.THREAD or leave it out"
+        )
+    if async_stager is not None:
+        raise ValueError(
+            f"async_stager={async_stager!r} is not supported: async_save takes its own CPU "
+            "snapshot before returning; leave it out"
+        )
 
 
 class _Snapshot:
@@ -144,7 +239,9 @@ def _snapshot(state_dict: Mapping, *, copy: bool = False) -> tuple[_Snapshot, li
 # and would not hear of a failed commit. async_save shares the snapshot's problems on the
 # caller's group before returning (so a value that cannot be saved raises at the call), then
 # makes the same three exchanges on its background group.
-def _write(snap: _Snapshot, final: Path, group: Group, problems: list[str]) -> None:
+def _write(
+    snap: _Snapshot, final: Path, group: Group, problems: list[str], *, lowest_rank: bool = False
+) -> Metadata:
     token, problems, lock = None, list(problems), None
     if group.rank == 0 and not problems:
         token = uuid.uuid4().hex[:12]
@@ -157,14 +254,16 @@ def _write(snap: _Snapshot, final: Path, group: Group, problems: list[str]) -> N
         except (OSError, CheckpointError) as e:
             problems.append(f"cannot prepare {final}: {e}")
     try:
-        _write_and_commit(snap, final, group, token, problems)
+        return _write_and_commit(snap, final, group, token, problems, lowest_rank)
     finally:
         if lock is not None:
             lock.tidy(final)  # an older checkpoint kept aside by an earlier crash is stale now
             lock.release()
 
 
-def _write_and_commit(snap: _Snapshot, final: Path, group: Group, token, problems) -> None:
+def _write_and_commit(
+    snap: _Snapshot, final: Path, group: Group, token, problems, lowest_rank: bool
+) -> Metadata:
     mine = None if token is None else _partial_dir(final, token)  # rank 0's, if it made one
     described = {k: i.describe() for k, i in snap.items.items()}
     plan = {"token": token, "items": described, "values": snap.values}
@@ -172,22 +271,23 @@ def _write_and_commit(snap: _Snapshot, final: Path, group: Group, token, problem
     token = gathered[0]["token"]
     partial = _partial_dir(final, token)
     try:
-        entries, writes = assign_writers([g["items"] for g in gathered])
+        entries, writes = assign_writers([g["items"] for g in gathered], lowest_rank=lowest_rank)
     except CheckpointError as e:
         _discard(partial, group)
         raise e
     written, problems = _write_my_file(snap, writes[group.rank], partial, group.rank)
     reports = _agree_or_discard(group, problems, written, partial)  # exchange 2
     problems = []
+    md = _metadata(entries, reports, gathered)  # on every rank: save() returns it
     if group.rank == 0:
         try:
-            md = _metadata(entries, reports, gathered)
             _commit(md, partial, final)
         except (OSError, CheckpointError) as e:
             problems.append(f"cannot commit {final}: {e}")
             shutil.rmtree(partial, ignore_errors=True)
     group.agree(problems)  # exchange 3
     logger.info("saved %d tensors to %s", len(entries), final)
+    return md
 
 
 def _write_my_file(snap: _Snapshot, mine: list, partial: Path, rank: int):
@@ -241,15 +341,6 @@ def _metadata(entries, reports: list, gathered: list) -> Metadata:
 
 def _partial_dir(final: Path, token: str) -> Path:
     return final.parent / f".{final.name}.partial-{token}"
-
-
-def _aside_dirs(final: Path, kind: str) -> list[Path]:
-    """The ``.<name>.partial-*`` (``kind="partial"``) or ``.<name>.old-*`` directories of
-    ``final``."""
-    prefix = f".{final.name}.{kind}-"
-    if not final.parent.is_dir():
-        return []
-    return sorted(p for p in final.parent.iterdir() if p.name.startswith(prefix) and p.is_dir())
 
 
 # [Note: replacing a checkpoint]
@@ -344,35 +435,123 @@ def _fsync_dir(path: Path) -> None:
 
 
 def load(
-    state_dict: dict, *, checkpoint_id: str | os.PathLike, process_group=None, strict: bool = True
+    state_dict: dict,
+    *,
+    checkpoint_id: str | os.PathLike | None = None,
+    storage_reader=None,
+    planner=None,
+    process_group=None,
+    no_dist: bool = False,
+    strict: bool = True,
 ) -> None:
     """Fill ``state_dict`` in place from a checkpoint, resharding to whatever layout it has.
 
     Each DTensor receives its own block, read from the saved chunks that overlap it; plain
-    tensors receive the whole tensor; plain values are replaced. With ``strict`` (default),
-    keys the state dict has and the checkpoint lacks, and checkpoint keys missing from the
-    state dict whose first dotted component (``model`` in ``model.wq.weight``) is one of the
-    state dict's, are one error listing them all. A shape
+    tensors receive the whole tensor; plain values are replaced. A top-level value with
+    ``state_dict()`` and ``load_state_dict()`` (a module, an optimizer, a data loader) is
+    loaded into a fresh ``state_dict()`` and then given to its ``load_state_dict``, as in
+    PyTorch. The source is ``checkpoint_id`` or ``storage_reader`` (a
+    :class:`~dtensor.checkpoint.FileSystemReader` or
+    :class:`~dtensor.checkpoint.HuggingFaceStorageReader`); ``planner``: None or
+    ``DefaultLoadPlanner(...)``, whose ``allow_partial_load=True`` means ``strict=False``.
+    With ``strict`` (default), keys the state dict has and the checkpoint lacks, and
+    checkpoint keys missing from the state dict whose first dotted component (``model`` in
+    ``model.wq.weight``) is one of the state dict's, are one error listing them all. A shape
     mismatch is always an error. Nothing is changed unless every rank can load everything.
+    ``no_dist=True`` loads in this process alone.
 
     Example::
 
         >>> sd = {"model": model.state_dict()}
         >>> dcp.load(sd, checkpoint_id="ckpt/step-10")   # model's DTensors now hold the values
+        >>> dcp.load({"model": model}, storage_reader=dcp.FileSystemReader("ckpt/step-10"),
+        ...          planner=dcp.DefaultLoadPlanner())
     """
-    directory = Path(checkpoint_id)
+    reader = resolve_reader(checkpoint_id, storage_reader)
+    strict = strict and not load_allows_partial(planner)
+    group = group_for(process_group, no_dist)
+    expanded = expand_stateful(state_dict)
+    problems = nested_stateful(expanded)
+    load_from(
+        expanded,
+        _source(reader, problems),
+        group=group,
+        strict=strict,
+        whole_source=reader._dcp_whole_source,
+    )
+    load_back(state_dict, expanded)
+
+
+def _source(reader, problems: list[str]):
+    """``open_source`` for :func:`load_from`: raises (on this rank, inside the shared
+    exchange) the problems found before reading, then opens what ``reader`` names."""
 
     def open_source():
-        found = _kept_checkpoint(directory)
-        return found, read_metadata(found)
+        if problems:
+            raise CheckpointError("\n".join(problems))
+        return reader._dcp_source()
 
+    return open_source
+
+
+def save_state_dict(
+    state_dict: dict,
+    storage_writer,
+    process_group=None,
+    coordinator_rank: int = 0,
+    no_dist: bool = False,
+    planner=None,
+) -> PublicMetadata:
+    """Deprecated (as in PyTorch): :func:`save` with ``storage_writer`` given by position.
+
+    Warns with a ``FutureWarning``, as PyTorch's does. ``coordinator_rank`` must be 0 (rank 0
+    commits the checkpoint).
+
+    Example::
+
+        >>> dcp.save_state_dict(sd, dcp.FileSystemWriter("ckpt/1"))   # prefer dcp.save
+    """
+    warnings.warn("`save_state_dict` is deprecated; use `save`", FutureWarning, stacklevel=2)
+    _check_coordinator(coordinator_rank)
+    return save(state_dict, storage_writer=storage_writer, planner=planner,
+                process_group=process_group, no_dist=no_dist)  # fmt: skip
+
+
+def load_state_dict(
+    state_dict: dict,
+    storage_reader,
+    process_group=None,
+    coordinator_rank: int = 0,
+    no_dist: bool = False,
+    planner=None,
+) -> None:
+    """Deprecated (as in PyTorch): :func:`load` with ``storage_reader`` given by position.
+
+    Warns with a ``FutureWarning``, as PyTorch's does. Unlike ``load`` (and like PyTorch's),
+    it does not expand Stateful values. ``coordinator_rank`` must be 0.
+
+    Example::
+
+        >>> dcp.load_state_dict(sd, dcp.FileSystemReader("ckpt/1"))   # prefer dcp.load
+    """
+    warnings.warn("`load_state_dict` is deprecated; use `load`", FutureWarning, stacklevel=2)
+    _check_coordinator(coordinator_rank)
+    reader = resolve_reader(None, storage_reader)
     load_from(
         state_dict,
-        open_source,
-        group=Group.of(process_group),
-        strict=strict,
-        whole_source=False,
+        _source(reader, []),
+        group=group_for(process_group, no_dist),
+        strict=not load_allows_partial(planner),
+        whole_source=reader._dcp_whole_source,
     )
+
+
+def _check_coordinator(coordinator_rank) -> None:
+    if coordinator_rank != 0:
+        raise ValueError(
+            f"coordinator_rank={coordinator_rank!r} is not supported: rank 0 of the group "
+            "commits the checkpoint; pass 0 (default)"
+        )
 
 
 def load_from(state_dict: dict, open_source, *, group: Group, strict: bool, whole_source: bool):
@@ -400,50 +579,6 @@ def load_from(state_dict: dict, open_source, *, group: Group, strict: bool, whol
             for r in reads:
                 dest[r.dst].copy_(plan.files[r.chunk.file].tensor(r.chunk, dtype)[r.src])
     logger.info("loaded %d tensors from %s", len(plan.copies), directory)
-
-
-def _kept_checkpoint(directory: Path) -> Path:
-    """``directory``, or where a save cut off between its two renames left the previous
-    checkpoint ([Note: replacing a checkpoint]) when nothing is at ``directory``."""
-    if directory.exists():
-        return directory
-    kept = [p for p in _aside_dirs(directory, "old") if (p / METADATA_FILE).is_file()]
-    if not kept:
-        return directory
-    newest = max(kept, key=lambda p: (p / METADATA_FILE).stat().st_mtime_ns)
-    logger.warning(
-        "%s is missing: a save was interrupted while replacing it; loading the previous "
-        "checkpoint, kept at %s",
-        directory,
-        newest,
-    )
-    return newest
-
-
-def read_metadata(directory: Path) -> Metadata:
-    """Parse ``directory``'s metadata.json against the files actually present.
-
-    Example::
-
-        >>> read_metadata(Path("ckpt/step-10")).tensors["model.wq.weight"].shape
-        (768, 768)
-    """
-    directory = Path(directory)
-    path = directory / METADATA_FILE
-    if not path.is_file():
-        hint = ""
-        aside = sorted(directory.parent.glob(f".{directory.name}.old-*"))
-        if aside:
-            hint = (
-                f"; a save was interrupted while swapping it in: the previous one is at {aside[-1]}"
-            )
-        raise CheckpointError(f"{directory} is not a checkpoint: it has no {METADATA_FILE}{hint}")
-    if path.stat().st_size > 1 << 30:
-        raise CheckpointError(f"{path} is {path.stat().st_size} bytes; refusing to parse it")
-    on_disk = {
-        p.name: p.stat().st_size for p in directory.iterdir() if p.is_file() and not p.is_symlink()
-    }
-    return parse_metadata(path.read_bytes(), on_disk)
 
 
 class _LoadPlan:

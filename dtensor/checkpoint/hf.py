@@ -25,7 +25,7 @@ import os
 import re
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from dtensor.checkpoint._comm import Group
@@ -240,6 +240,7 @@ def export_hf(
     key_map: KeyMap | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress=None,
+    file_index: Mapping[str, int] | None = None,
 ) -> list[str]:
     """Write a checkpoint's tensors as a Hugging Face folder; returns the data files' names.
 
@@ -250,7 +251,10 @@ def export_hf(
     removed first, each file is written under a temporary name and renamed, and the index
     comes last: an export cut short leaves a folder that fails to load, never one that mixes
     two exports. Every chunk's CRC-32 is checked as it is read.
-    ``progress(key)`` is called after each tensor.
+    ``progress(key)`` is called after each tensor. ``file_index`` (PyTorch's
+    ``fqn_to_index_mapping``) places each Hugging Face key in file ``i`` of ``n`` (``i`` from
+    1, ``n`` the largest index), ``model-0000i-of-0000n.safetensors``, with the index file
+    always written; ``max_shard_bytes`` is then not used.
 
     Example::
 
@@ -264,11 +268,7 @@ def export_hf(
     directory, out = Path(directory), Path(out)
     md = read_metadata(directory)
     pairs = _export_keys(md, key_map)
-    shards = _split(pairs, md, max_shard_bytes)
-    n = len(shards)
-    names = (
-        [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    )
+    names, shards = _layout(pairs, md, max_shard_bytes, file_index)
     out.mkdir(parents=True, exist_ok=True)
     # What this export replaces goes first: an export cut short leaves a folder that fails
     # to load (no index, or a missing file), never one that mixes two exports.
@@ -289,7 +289,7 @@ def export_hf(
         finally:
             tmp.unlink(missing_ok=True)
         weight_map.update({hf_key: name for hf_key, _ in shard})
-    if n > 1:  # the index last: it is what makes the folder loadable
+    if len(names) > 1 or file_index is not None:  # the index last: it makes the folder loadable
         total = sum(md.tensors[key].nbytes for _, key in pairs)
         _write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
     return names
@@ -337,6 +337,40 @@ def _split(pairs, md: Metadata, limit: int) -> list[list[tuple[str, str]]]:
         shards[-1].append((hf_key, key))
         size += nbytes
     return shards
+
+
+def _layout(pairs, md: Metadata, max_shard_bytes: int, file_index) -> tuple[list[str], list]:
+    """The files' names and the ``(hf_key, key)`` pairs each holds."""
+    if file_index is not None:
+        return _split_by_index(pairs, file_index)
+    shards = _split(pairs, md, max_shard_bytes)
+    n = len(shards)
+    return [SINGLE_FILE] if n == 1 else [_shard_name(i + 1, n) for i in range(n)], shards
+
+
+def _shard_name(i: int, n: int) -> str:
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def _split_by_index(pairs, file_index: Mapping[str, int]) -> tuple[list[str], list[list]]:
+    """Files named by PyTorch's ``fqn_to_index_mapping`` (indices from 1; empty ones skipped)."""
+    bad = {k: v for k, v in file_index.items() if not (is_int(v, 1, 99999))}
+    if bad:
+        raise CheckpointError(
+            f"fqn_to_index_mapping: indices must be ints from 1 to 99999, got {dict(list(bad.items())[:5])}"
+        )
+    unmapped = [hf_key for hf_key, _ in pairs if hf_key not in file_index]
+    if unmapped:
+        raise CheckpointError(
+            f"fqn_to_index_mapping has no file index for {len(unmapped)} tensors: "
+            f"{', '.join(unmapped[:20])}; map every key (indices from 1)"
+        )
+    n = max(file_index[hf_key] for hf_key, _ in pairs)
+    by_file: dict[int, list] = {}
+    for hf_key, key in pairs:
+        by_file.setdefault(file_index[hf_key], []).append((hf_key, key))
+    ordered = sorted(by_file)
+    return [_shard_name(i, n) for i in ordered], [by_file[i] for i in ordered]
 
 
 def _tensors(assembler: Assembler, shard, progress):

@@ -12,7 +12,10 @@ Load: :func:`read_plan` intersects the block a rank holds with the saved chunks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import abc
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import Any
 
 import torch
 
@@ -71,9 +74,10 @@ def local_item(key: str, value: torch.Tensor, *, for_save: bool) -> LocalItem:
 
 
 def assign_writers(
-    described: list[dict[str, list]],
+    described: list[dict[str, list]], *, lowest_rank: bool = False
 ) -> tuple[dict[str, tuple[str, tuple]], dict[int, list]]:
-    """Choose one writer per distinct block.
+    """Choose one writer per distinct block (the lowest holding rank with ``lowest_rank``,
+    PyTorch's ``dedup_save_to_lowest_rank``; else the holder with the fewest bytes so far).
 
     ``described[r]`` maps each key to rank ``r``'s ``[dtype, shape, offsets, sizes]``.
     Returns ``(entries, writes)``: per key its ``(dtype, shape)``; per rank the ``(key, box)``
@@ -103,7 +107,7 @@ def assign_writers(
     load = [0] * len(described)
     writes: dict[int, list] = {r: [] for r in range(len(described))}
     for (key, box), ranks in sorted(holders.items()):
-        writer = min(ranks, key=lambda r: (load[r], r))
+        writer = min(ranks) if lowest_rank else min(ranks, key=lambda r: (load[r], r))
         load[writer] += volume(box[1]) * itemsize(entries[key][0])
         writes[writer].append((key, box))
     return entries, writes
@@ -134,3 +138,199 @@ def read_plan(entry: TensorEntry, box: Box) -> list[Read]:
             Read(chunk, relative_slices(shared, chunk.offsets), relative_slices(shared, box[0]))
         )
     return reads
+
+
+# ------------------------------------------------------------------ PyTorch's planner names
+# PyTorch's save and load run a pluggable planner (``SavePlanner`` / ``LoadPlanner``) through
+# local plans, a global plan and per-item callbacks. This library plans with the box maths
+# above instead (every rank runs the same assign_writers / read_plan), so it offers these
+# names for code that constructs or type-checks them: the default planners are accepted with
+# their options, and a planner that replaces any step is refused by name (default_planner.py).
+
+
+class WriteItemType(Enum):
+    """What a :class:`WriteItem` writes: a whole tensor, a shard of one, or bytes.
+
+    Example::
+
+        >>> WriteItemType.SHARD.name
+        'SHARD'
+    """
+
+    TENSOR = auto()
+    SHARD = auto()
+    BYTE_IO = auto()
+
+
+class LoadItemType(Enum):
+    """What a :class:`ReadItem` reads: tensor data or bytes.
+
+    Example::
+
+        >>> LoadItemType.TENSOR.name
+        'TENSOR'
+    """
+
+    TENSOR = auto()
+    BYTE_IO = auto()
+
+
+@dataclass(frozen=True)
+class MetadataIndex:
+    """A flattened key (``fqn``), and for a chunk its ``offset`` in the global tensor.
+
+    Example::
+
+        >>> MetadataIndex("model.w", (2, 0)).fqn
+        'model.w'
+    """
+
+    fqn: str
+    offset: tuple[int, ...] | None = None
+    index: int | None = field(default=None, hash=False, compare=False)
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    """One block a rank writes (PyTorch's plan item); describes, never drives, a save here.
+
+    Example::
+
+        >>> WriteItem(MetadataIndex("step"), WriteItemType.BYTE_IO).type.name
+        'BYTE_IO'
+    """
+
+    index: MetadataIndex
+    type: WriteItemType
+    bytes_io_data: Any = None
+    tensor_data: Any = None
+
+
+@dataclass(frozen=True)
+class ReadItem:
+    """One read of a load plan: ``lengths`` elements from ``storage_offsets`` of a saved chunk
+    into ``dest_offsets`` of the destination (this library's :class:`Read` does that work).
+
+    Example::
+
+        >>> r = ReadItem(LoadItemType.TENSOR, MetadataIndex("w"), (0,), MetadataIndex("w", (0,)),
+        ...              (0,), (4,))
+        >>> r.lengths
+        (4,)
+    """
+
+    type: LoadItemType
+    dest_index: MetadataIndex
+    dest_offsets: tuple[int, ...]
+    storage_index: MetadataIndex
+    storage_offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """A rank's list of :class:`WriteItem` (PyTorch's save plan), with opaque data fields.
+
+    Example::
+
+        >>> SavePlan([]).usable
+        True
+    """
+
+    items: list[WriteItem]
+    storage_data: Any = None
+    planner_data: Any = None
+    usable: bool = True
+
+
+@dataclass
+class LoadPlan:
+    """A rank's list of :class:`ReadItem` (PyTorch's load plan), with opaque data fields.
+
+    Example::
+
+        >>> LoadPlan([]).items
+        []
+    """
+
+    items: list[ReadItem]
+    storage_data: Any = None
+    planner_data: Any = None
+
+
+class SavePlanner(abc.ABC):
+    """PyTorch's save-planner interface (abstract), so ``isinstance`` and subclassing work.
+
+    This library's :func:`~dtensor.checkpoint.save` does not call these steps: it plans
+    from the blocks each rank holds. Pass ``DefaultSavePlanner(...)`` (its options are
+    honoured) or no planner; an object that implements these methods itself is refused
+    with an error naming ``planner``, since its steps would never run.
+
+    Example::
+
+        >>> isinstance(dcp.DefaultSavePlanner(), dcp.SavePlanner)
+        True
+    """
+
+    @abc.abstractmethod
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False):
+        """Receive the state dict to plan (not called by this library's save)."""
+
+    @abc.abstractmethod
+    def create_local_plan(self) -> SavePlan:
+        """This rank's plan (not called by this library's save)."""
+
+    @abc.abstractmethod
+    def create_global_plan(self, all_plans: list[SavePlan]):
+        """Combine every rank's plan (not called by this library's save)."""
+
+    @abc.abstractmethod
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        """Accept the coordinator's plan (not called by this library's save)."""
+
+    @abc.abstractmethod
+    def resolve_data(self, write_item: WriteItem):
+        """The data of one item (not called by this library's save)."""
+
+
+class LoadPlanner(abc.ABC):
+    """PyTorch's load-planner interface (abstract), so ``isinstance`` and subclassing work.
+
+    This library's :func:`~dtensor.checkpoint.load` does not call these steps: it reads
+    by intersecting boxes and copies into the state dict's tensors itself. Pass
+    ``DefaultLoadPlanner(...)`` (``allow_partial_load`` is honoured) or no planner; an
+    object that implements these methods itself is refused with an error naming ``planner``.
+
+    Example::
+
+        >>> isinstance(dcp.DefaultLoadPlanner(), dcp.LoadPlanner)
+        True
+    """
+
+    @abc.abstractmethod
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False):
+        """Receive the state dict and metadata (not called by this library's load)."""
+
+    @abc.abstractmethod
+    def create_local_plan(self) -> LoadPlan:
+        """This rank's reads (not called by this library's load)."""
+
+    @abc.abstractmethod
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        """Combine every rank's plan (not called by this library's load)."""
+
+    @abc.abstractmethod
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        """Accept the coordinator's plan (not called by this library's load)."""
+
+    @abc.abstractmethod
+    def load_bytes(self, read_item: ReadItem, value) -> None:
+        """Receive a non-tensor value (not called by this library's load)."""
+
+    @abc.abstractmethod
+    def resolve_tensor(self, read_item: ReadItem):
+        """The tensor to read into (not called by this library's load)."""
+
+    @abc.abstractmethod
+    def commit_tensor(self, read_item: ReadItem, tensor) -> None:
+        """Accept a filled tensor (not called by this library's load)."""
