@@ -403,13 +403,15 @@ def _spmd_mesh_info(mesh: DeviceMesh, dims: DataParallelMeshDims, reshard_after_
         if name not in names:
             raise ValueError(
                 f"{_API}: dp_mesh_dims={dims!r} names {name!r}, which is not a dim of the "
-                f"mesh; its dims are {names}."
+                f"mesh; its dims are {names}. Name the mesh's data-parallel dims (e.g. "
+                f"DataParallelMeshDims(shard={names[0]!r}))."
             )
     _check_spmd_supported(dims, reshard_after_forward)
     shard, replicate = dims.shard_names[0], (dims.replicate_names or (None,))[0]
     if shard == replicate:
         raise ValueError(
-            f"{_API}: dp_mesh_dims={dims!r} names {shard!r} as both shard and replicate dim."
+            f"{_API}: dp_mesh_dims={dims!r} names {shard!r} as both shard and replicate dim; "
+            "a mesh dim is one or the other: name two different dims."
         )
     if replicate is not None and names.index(replicate) > names.index(shard):
         raise NotImplementedError(

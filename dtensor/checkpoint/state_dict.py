@@ -275,7 +275,10 @@ def _checked_optimizers(optimizers) -> tuple[torch.optim.Optimizer, ...]:
         )
     bad = [type(o).__name__ for o in optims if not isinstance(o, torch.optim.Optimizer)]
     if bad:
-        raise TypeError(f"optimizers holds objects that are not optimizers: {bad}")
+        raise TypeError(
+            f"optimizers holds objects that are not optimizers: {bad}; pass the "
+            "torch.optim.Optimizer(s) themselves (not a scheduler or a state dict)"
+        )
     return optims
 
 
@@ -713,7 +716,10 @@ def _nested_input(view: _View, optims, osd: Mapping, strict: bool) -> dict | Non
     int_groups = bool(groups) and all(isinstance(p, int) for g in groups for p in g[_PARAMS])
     if (state and all(isinstance(k, int) for k in state)) or (not state and int_groups):
         if len(optims) != 1:
-            raise ValueError("an integer-keyed optim_state_dict can only load into one optimizer")
+            raise ValueError(
+                "an integer-keyed optim_state_dict can only load into one optimizer; get a "
+                "path-keyed one with get_optimizer_state_dict(model, optimizers)"
+            )
         return None
     return {_STATE: dict(state), _GROUPS: list(groups)}
 
@@ -838,7 +844,10 @@ def _broadcast_optimizer(view: _View, optims, given: Mapping, strict: bool) -> d
         try:
             nested = _nested_input(view, optims, given, strict)
             if nested is None:
-                raise ValueError("broadcast_from_rank0 needs a path-keyed optim_state_dict")
+                raise ValueError(
+                    "broadcast_from_rank0 needs a path-keyed optim_state_dict: build it with "
+                    "get_optimizer_state_dict(model, optimizers), not optimizer.state_dict()"
+                )
             leaves, tensors = _describe(nested)
         except (ValueError, TypeError) as e:
             problems.append(f"rank 0's optim_state_dict: {e}")
