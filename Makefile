@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
-	$(PY) -m pip install --quiet -c constraints.txt --no-deps torchtitan  # test-only; why: constraints.txt
+	$(PY) -m pip install --quiet -c constraints.txt --no-deps torchtitan lightning-fabric  # test-only; why: constraints.txt
 	touch $@
 
 test: $(VENV)/.installed
@@ -36,7 +36,7 @@ $(TORCH_VENV)/.installed: pyproject.toml constraints.txt
 	grep -v '^torch==' constraints.txt > $(TORCH_VENV)/constraints.txt
 	echo 'torch==$(VERSION).*' >> $(TORCH_VENV)/constraints.txt
 	$(TORCH_VENV)/bin/python -m pip install --quiet -c $(TORCH_VENV)/constraints.txt -e ".[dev]"
-	$(TORCH_VENV)/bin/python -m pip install --quiet -c $(TORCH_VENV)/constraints.txt --no-deps torchtitan
+	$(TORCH_VENV)/bin/python -m pip install --quiet -c $(TORCH_VENV)/constraints.txt --no-deps torchtitan lightning-fabric
 	touch $@
 
 test-torch: $(TORCH_VENV)/.installed

@@ -50,6 +50,8 @@ from dtensor.checkpoint._read import read_metadata as read_metadata  # re-export
 from dtensor.checkpoint.default_planner import SaveOptions, load_allows_partial, save_options
 from dtensor.checkpoint.errors import CheckpointError
 from dtensor.checkpoint.metadata import (
+    DISCOVERY_FILE,
+    DISCOVERY_TEXT,
     METADATA_FILE,
     Chunk,
     FileEntry,
@@ -410,11 +412,11 @@ def _check_target(final: Path) -> None:
 
 def _commit(md: Metadata, partial: Path, final: Path) -> None:
     """Write metadata.json last, make everything durable, then swap the directory in."""
-    path = partial / METADATA_FILE
-    with open(path, "w") as f:
-        f.write(md.to_json())
-        f.flush()
-        os.fsync(f.fileno())
+    for name, text in ((DISCOVERY_FILE, DISCOVERY_TEXT), (METADATA_FILE, md.to_json())):
+        with open(partial / name, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
     _fsync_dir(partial)
     old = None
     if final.exists():

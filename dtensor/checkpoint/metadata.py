@@ -30,6 +30,15 @@ from dtensor.checkpoint.errors import CheckpointError
 FORMAT = "dtensor.checkpoint"
 VERSION = 1
 METADATA_FILE = "metadata.json"
+#: Written beside ``metadata.json``: tools that find checkpoints by PyTorch's file name
+#: (torchtitan's ``CheckpointManager`` resumes from the newest ``step-N`` holding a
+#: ``.metadata``) find ours too. Plain text, not a pickle: PyTorch's reader fails loudly on it.
+DISCOVERY_FILE = ".metadata"
+DISCOVERY_TEXT = (
+    "This directory is a dtensor.checkpoint checkpoint: safetensors files described by "
+    "metadata.json (no pickle). Load it with dtensor.checkpoint.load; PyTorch's "
+    "torch.distributed.checkpoint cannot read it.\n"
+)
 # Data files are plain names inside the checkpoint directory, never paths.
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}\.safetensors$")
 MAX_NDIM = 64
