@@ -264,13 +264,14 @@ def test_partial_of_every_reduce_op_reduces_exactly(tmp_path_factory, ws, data):
 
 
 def test_partial_without_a_reduce_op_is_a_clear_error():
-    """A product (or any other) reduction is not a Partial this library has: a ValueError
-    naming the valid ones, when the Partial is built. (PyTorch's Partial takes any string
-    there and hands it to c10d when it reduces, so its ``Partial("product")`` works on gloo;
-    ours stops at the four reductions its collectives implement.)"""
+    """A reduction this library's collectives do not implement (bitwise ones, misspellings)
+    is a ValueError naming the valid ones, when the Partial is built. ``"product"`` is one:
+    PyTorch's ``Partial("product")`` reduces with c10d's PRODUCT, and so does ours
+    (tests/test_torch_api_surface.py checks it against PyTorch's)."""
     from dtensor import Partial
 
-    for op in ("product", "prod", "band", "SUM"):
+    assert Partial("product").reduce_op == "product"
+    for op in ("prod", "band", "SUM"):
         with pytest.raises(ValueError, match=r"Partial: reduce_op must be one of"):
             Partial(op)
 
