@@ -727,7 +727,7 @@ def _run_hit(hit: _Hit, args, kwargs):
         # record_view links nothing to a base that is no view when the output aliases it
         if hit.view and (
             args[0]._view_of is not None
-            or not _shares_memory(wrapped._local_tensor, args[0]._local_tensor)
+            or not _shares_memory(out, args[0]._local_value)  # resolved above
         ):
             _inplace.record_view(hit.func, args, lambda: kwargs, args[0], [wrapped])
         return wrapped

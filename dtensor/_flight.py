@@ -263,8 +263,10 @@ def note(kind: str, label, group_size: int, nbytes: int, group) -> None:
     seq = g.seq + 1
     scope = getattr(_local, "scope", None)
     step = _step_for(g)
-    text = f"{kind}|{label}|{group_size}|{scope}" if step is None else (
-        f"{kind}|{label}|{group_size}|{scope}|{step}"
+    text = (
+        f"{kind}|{label}|{group_size}|{scope}"
+        if step is None
+        else (f"{kind}|{label}|{group_size}|{scope}|{step}")
     )
     crc = zlib.crc32(text.encode(), g.crc)
     g.seq, g.crc = seq, crc
@@ -737,7 +739,12 @@ def _exit_without_waiting() -> None:
     (30 minutes by default). With the opt-in grace policy the process ends at once; without
     it, the wait is said, with the setting that avoids it."""
     world = _world() if _world is not None else None
-    if _verdict is None or not _delivered.is_set() or world is None or world is not dist.group.WORLD:
+    if (
+        _verdict is None
+        or not _delivered.is_set()
+        or world is None
+        or world is not dist.group.WORLD
+    ):
         return
     if _Config.grace:
         _end_process("exiting after the flight recorder's verdict")

@@ -213,8 +213,10 @@ def set_collective_timeout(seconds: float | None, *, grace=...) -> None:
         raise ValueError(
             f"set_collective_timeout: expected a number of seconds >= 0 or None, got {seconds!r}."
         )
-    if grace is not ... and grace is not None and (
-        isinstance(grace, bool) or not isinstance(grace, (int, float)) or grace <= 0
+    if (
+        grace is not ...
+        and grace is not None
+        and (isinstance(grace, bool) or not isinstance(grace, (int, float)) or grace <= 0)
     ):
         raise ValueError(
             f"set_collective_timeout: grace must be a number of seconds > 0 or None (never "

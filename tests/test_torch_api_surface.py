@@ -388,3 +388,26 @@ def _styles_like_pytorch() -> None:
 @pytest.mark.skipif(not compat.TORCHTITAN_RUNS, reason=compat.TORCHTITAN_SKIP)
 def test_pytorch_style_apply_and_prepare_module_input_output():
     run_on_ranks(2, _styles_like_pytorch)
+
+
+def _strided_shard_in_ops() -> None:
+    import torch.nn.functional as F
+
+    import dtensor
+    from device_mesh import init_device_mesh
+    from dtensor.placement import _StridedShard
+
+    mesh = init_device_mesh("cpu", (2, 2))  # FSDP over TP's order: a strided outer dim
+    weight = torch.arange(8.0 * 6).view(8, 6)
+    idx = torch.tensor([[0, 3, 7], [5, 1, 2]])
+    ids = dtensor.distribute_tensor(idx, mesh, [dtensor.Replicate()] * 2)
+    for dim in (0, 1):  # rows (the vocabulary) or columns split in a strided order
+        placements = [_StridedShard(dim, split_factor=2), dtensor.Shard(dim)]
+        w = dtensor.distribute_tensor(weight, mesh, placements)
+        assert torch.equal(F.embedding(ids, w).full_tensor(), F.embedding(idx, weight))
+        stacked = torch.stack([w, w * 2])
+        assert torch.equal(stacked.full_tensor(), torch.stack([weight, weight * 2]))
+
+
+def test_strided_shards_keep_their_order_through_embedding_and_stack():
+    run_on_ranks(4, _strided_shard_in_ops)

@@ -24,11 +24,12 @@ def embedding_rule(schema: OpSchema) -> OutputSharding:
     outs, need_w, need_i = [], [], []
     vocab_dim = None
     for i, (pw, pi) in enumerate(zip(weight.placements, idx.placements)):
-        if is_shard_like(pw) and pw.dim == 1:
+        # a plain Shard only: a _StridedShard's rows or columns are not one contiguous block
+        if type(pw) is Shard and pw.dim == 1:
             outs.append(Shard(out_nd - 1))
             need_w.append(pw)
             need_i.append(Replicate())
-        elif is_shard_like(pw) and pw.dim == 0 and vocab_dim is None:
+        elif type(pw) is Shard and pw.dim == 0 and vocab_dim is None:
             vocab_dim = i
             outs.append(Partial())
             need_w.append(pw)

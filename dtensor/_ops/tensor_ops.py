@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from dtensor import _torch_dcp
-from dtensor._ops._common import OpSchema, OutputSharding, register, replicate_all
-from dtensor.placement import Partial, Replicate, Shard, is_shard_like, local_shape_and_offset
+from dtensor._ops._common import OpSchema, OutputSharding, register, replicate_all, with_dim
+from dtensor.placement import Partial, Replicate, is_shard_like, local_shape_and_offset
 
 aten = torch.ops.aten
 
@@ -51,7 +51,7 @@ def stack_rule(schema: OpSchema) -> OutputSharding:
     # stacking per-tensor partial results (clip_grad_norm_'s per-gradient norms) keeps them
     # partial: one reduction of the stack later instead of one per tensor now
     need = _common(specs, None, keep_partial=True)
-    out = tuple(Shard(p.dim + (p.dim >= dim)) if is_shard_like(p) else p for p in need)
+    out = tuple(with_dim(p, p.dim + (p.dim >= dim)) if is_shard_like(p) else p for p in need)
     return OutputSharding([out], {schema.leaf_index(s): need for s in specs})
 
 

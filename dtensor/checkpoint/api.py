@@ -253,7 +253,7 @@ def _write(
             lock = _SavesLock(final.parent)
             lock.tidy(final)
             _partial_dir(final, token).mkdir()
-        except (OSError, CheckpointError) as e:
+        except Exception as e:  # the other ranks wait in exchange 1 for rank 0
             problems.append(f"cannot prepare {final}: {e}")
     try:
         return _write_and_commit(snap, final, group, token, problems, lowest_rank)
@@ -284,8 +284,8 @@ def _write_and_commit(
     if group.rank == 0:
         try:
             _commit(md, partial, final)
-        except (OSError, CheckpointError) as e:
-            problems.append(f"cannot commit {final}: {e}")
+        except Exception as e:  # whatever it is, the other ranks wait in exchange 3 for it
+            problems.append(f"cannot commit {final}: {type(e).__name__}: {e}")
             shutil.rmtree(partial, ignore_errors=True)
     group.agree(problems)  # exchange 3
     logger.info("saved %d tensors to %s", len(entries), final)
@@ -299,8 +299,8 @@ def _write_my_file(snap: _Snapshot, mine: list, partial: Path, rank: int):
     blocks = [(key, snap.items[key].local) for key, _ in mine]
     try:
         entry, spans = write_file(partial / name, blocks)
-    except OSError as e:
-        return None, [f"cannot write {partial / name}: {e}"]
+    except Exception as e:  # out of memory too: the other ranks wait in exchange 2 for it
+        return None, [f"cannot write {partial / name}: {type(e).__name__}: {e}"]
     boxes = {key: [list(box[0]), list(box[1])] for key, box in mine}
     report = {
         "file": name,

@@ -18,7 +18,6 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
-from dtensor.checkpoint.errors import CheckpointError
 from dtensor.checkpoint.filesystem import (
     StorageReader,
     StorageWriter,
@@ -173,8 +172,10 @@ def save_hf(write, snapshot, writer: HuggingFaceStorageWriter, group, problems: 
     if group.rank == 0:
         try:
             export_hf(staging, writer.path, file_index=writer.fqn_to_index_mapping)
-        except (OSError, CheckpointError) as e:
-            outcome.append(f"cannot write the Hugging Face files in {writer.path}: {e}")
+        except Exception as e:  # out of memory too: the other ranks wait in agree() for it
+            outcome.append(
+                f"cannot write the Hugging Face files in {writer.path}: {type(e).__name__}: {e}"
+            )
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     group.agree(outcome)

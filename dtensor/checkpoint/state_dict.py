@@ -610,8 +610,8 @@ def _broadcast_model(current: dict, given: dict, strict: bool) -> tuple[dict, li
     """Rank 0's full tensors, broadcast to every rank, for the keys of ``current`` it has.
 
     Rank 0 checks its dict first (missing and unexpected keys under ``strict``, shapes) and
-    every rank raises the same error before any tensor moves. Returns the full tensors and
-    rank 0's unexpected keys.
+    every rank raises the same error before any tensor moves. Returns this rank's blocks (a
+    DTensor's, or the whole of a plain tensor) and rank 0's unexpected keys.
     """
     group = Group.of()
     problems, plan = [], None
@@ -627,8 +627,11 @@ def _broadcast_model(current: dict, given: dict, strict: bool) -> tuple[dict, li
         problems += [_full_tensor_problem(k, given[k], current[k]) for k in tensors if k in given]
         plan = {"present": [k for k in tensors if k in given], "unexpected": unexpected}
     plan = group.agree([p for p in problems if p], plan)[0]
-    full = {k: _broadcast_tensor(given.get(k), current[k], group) for k in plan["present"]}
-    return full, plan["unexpected"]
+    # each full tensor is cut to this rank's block before the next one arrives: one full
+    # tensor at a time in memory, as PyTorch's broadcast holds
+    mine = {k: _shard_like(_broadcast_tensor(given.get(k), current[k], group), current[k])
+            for k in plan["present"]}  # fmt: skip
+    return mine, plan["unexpected"]
 
 
 def _full_tensor_problem(key: str, value, like) -> str | None:
@@ -672,7 +675,8 @@ def _shard_like(value, like):
         )
     sizes, offsets = like._spec.local_shape_and_offset()
     block = value[relative_slices((tuple(offsets), tuple(sizes)), (0,) * value.ndim)]
-    local = block.to(dtype=like.dtype, device=like.to_local().device).contiguous()
+    # a copy, never a view: the full tensor is freed once every block is cut from it
+    local = block.to(dtype=like.dtype, device=like.to_local().device, copy=True).contiguous()
     return DTensor.from_local(
         local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride()
     )
@@ -849,8 +853,8 @@ def _broadcast_optimizer(view: _View, optims, given: Mapping, strict: bool) -> d
                     "get_optimizer_state_dict(model, optimizers), not optimizer.state_dict()"
                 )
             leaves, tensors = _describe(nested)
-        except (ValueError, TypeError) as e:
-            problems.append(f"rank 0's optim_state_dict: {e}")
+        except Exception as e:  # any error: the other ranks wait in agree() for rank 0
+            problems.append(f"rank 0's optim_state_dict: {type(e).__name__}: {e}")
     leaves = group.agree(problems, leaves)[0]
     out: dict = {}
     sent = iter(tensors)
@@ -858,6 +862,8 @@ def _broadcast_optimizer(view: _View, optims, given: Mapping, strict: bool) -> d
         if kind == "tensor":
             device = group._device() if group.pg is not None else torch.device("cpu")
             value = _broadcast(next(sent, None), payload[0], _dtype(payload[1]), device, group)
+            if value.ndim == 0:  # a step counter stays on the host, as PyTorch keeps it
+                value = value.cpu()
         else:
             value = decode_value(payload)
         node = out

@@ -55,13 +55,17 @@ def parallelize_module(
     for path, sub, style in targets:  # every module checked before any changes
         style._check(sub, path)
     call = ParallelizeCall(src_data_rank)
+    result = module
     for _, sub, style in targets:
         if "call" in inspect.signature(style._apply).parameters:
             style._apply(sub, mesh, call)
-        else:  # a style written for PyTorch: _apply(module, device_mesh)
-            style._apply(sub, mesh)
+        else:  # a style written for PyTorch: _apply(module, device_mesh), as PyTorch calls it
+            style.src_data_rank = src_data_rank
+            applied = style._apply(sub, mesh)
+            if sub is module and isinstance(applied, nn.Module):
+                result = applied  # PyTorch returns what a style on the root returns
     collective_workspace(mesh)  # activations cross this dim every step
-    return module
+    return result
 
 
 def _checked_mesh(module, device_mesh, src_data_rank):

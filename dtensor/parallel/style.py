@@ -86,6 +86,9 @@ class ParallelStyle:
     """
 
     supported: tuple = ()
+    #: The mesh rank whose values the others take, set by ``parallelize_module`` before it
+    #: calls a PyTorch-style ``_apply`` (PyTorch's styles read ``self.src_data_rank``).
+    src_data_rank: int | None = 0
 
     def _check(self, module: nn.Module, path: str) -> None:
         """Raise before anything changes if this style cannot apply to ``module``."""
