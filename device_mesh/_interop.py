@@ -44,7 +44,12 @@ def is_torch_device_mesh(obj) -> bool:
     """
     module = sys.modules.get("torch.distributed.device_mesh")
     torch_mesh = getattr(module, "DeviceMesh", None)
-    return isinstance(torch_mesh, type) and isinstance(obj, torch_mesh)
+    # a port that rebinds PyTorch's name to ours must not make ours look like PyTorch's
+    return (
+        isinstance(torch_mesh, type)
+        and torch_mesh.__module__.startswith("torch.")
+        and isinstance(obj, torch_mesh)
+    )
 
 
 def describe_mesh(mesh) -> str:

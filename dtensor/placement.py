@@ -498,7 +498,9 @@ def is_torch_placement(obj) -> bool:
         (True, False)
     """
     module = sys.modules.get("torch.distributed.tensor.placement_types")
-    return module is not None and isinstance(obj, module.Placement)
+    cls = getattr(module, "Placement", None)
+    # a port that rebinds PyTorch's name to ours must not make ours look like PyTorch's
+    return isinstance(cls, type) and cls.__module__.startswith("torch.") and isinstance(obj, cls)
 
 
 def from_torch_placement(p):

@@ -37,7 +37,8 @@ def is_torch_dtensor(obj) -> bool:
     """
     module = sys.modules.get("torch.distributed.tensor")
     cls = getattr(module, "DTensor", None)
-    return isinstance(cls, type) and isinstance(obj, cls)
+    # a port that rebinds PyTorch's name to ours must not make ours look like PyTorch's
+    return isinstance(cls, type) and cls.__module__.startswith("torch.") and isinstance(obj, cls)
 
 
 def torch_dtensor_message(api: str, argument: str, obj) -> str:

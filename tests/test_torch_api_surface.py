@@ -411,3 +411,34 @@ def _strided_shard_in_ops() -> None:
 
 def test_strided_shards_keep_their_order_through_embedding_and_stack():
     run_on_ranks(4, _strided_shard_in_ops)
+
+
+def _with_pytorch_names_rebound_to_ours() -> None:
+    import torch.distributed.device_mesh as tdm
+    import torch.distributed.tensor as tdt
+    import torch.distributed.tensor.placement_types as pt
+
+    import device_mesh
+    import dtensor
+
+    saved = (pt.Placement, tdt.DTensor, tdm.DeviceMesh)
+    # the crudest port: PyTorch's module attributes rebound to ours for a whole run
+    pt.Placement, tdt.DTensor, tdm.DeviceMesh = (
+        dtensor.Placement,
+        dtensor.DTensor,
+        device_mesh.DeviceMesh,
+    )
+    try:
+        mesh = device_mesh.init_device_mesh("cpu", (2,))
+        full = torch.arange(21.0).view(7, 3)
+        dt = dtensor.distribute_tensor(full, mesh, [dtensor.Shard(0)])
+        assert isinstance(dtensor.Shard(0), dtensor.Placement)
+        assert torch.equal(
+            dt.full_tensor(), full
+        )  # recursed without end when ours was taken for PyTorch's
+    finally:
+        pt.Placement, tdt.DTensor, tdm.DeviceMesh = saved
+
+
+def test_ours_is_never_taken_for_pytorchs_when_its_names_are_rebound():
+    run_on_ranks(2, _with_pytorch_names_rebound_to_ours)

@@ -195,7 +195,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizers, optim_state_dict: Map
     options = _checked_options(options)
     _check_model(model)
     optims = _checked_optimizers(optimizers)
-    _check_optimizer_input(optim_state_dict, options)
+    optim_state_dict = _check_optimizer_input(optim_state_dict, options)
     _load_optimizers(_View(model, options), optims, optim_state_dict, options)
 
 
@@ -211,7 +211,7 @@ def set_state_dict(model: nn.Module, optimizers, *, model_state_dict: Mapping,
     options = _checked_options(options)
     _check_model(model)
     optims = _checked_optimizers(optimizers)
-    _check_optimizer_input(optim_state_dict, options)
+    optim_state_dict = _check_optimizer_input(optim_state_dict, options)
     view = _View(model, options)
     given = _model_input(view, model_state_dict)
     _load_optimizers(view, optims, optim_state_dict, options)
@@ -282,7 +282,11 @@ def _checked_optimizers(optimizers) -> tuple[torch.optim.Optimizer, ...]:
     return optims
 
 
-def _check_optimizer_input(osd, options: StateDictOptions) -> None:
+def _check_optimizer_input(osd, options: StateDictOptions) -> Mapping:
+    """``osd`` checked; with ``broadcast_from_rank0`` the ranks that only receive may pass
+    None (accelerate's FULL_STATE_DICT load does), taken as ``{}`` as PyTorch takes it."""
+    if osd is None and options.broadcast_from_rank0:
+        return {}
     if not isinstance(osd, Mapping):
         raise TypeError(f"optim_state_dict must be a dict, got {type(osd).__name__}")
     if not osd and not options.broadcast_from_rank0:
@@ -290,6 +294,7 @@ def _check_optimizer_input(osd, options: StateDictOptions) -> None:
             "optim_state_dict is empty; pass the optimizer state dict to load (with "
             "broadcast_from_rank0=True only rank 0 needs one)"
         )
+    return osd
 
 
 def _check_not_empty_model(sd: dict, options: StateDictOptions, prefixes, fn: str) -> None:
