@@ -261,10 +261,11 @@ def _fabric_ported(tmp: str, dp: int, tp: int, port: str, sharded: bool = True) 
         fabric = _fabric(dp, tp, ours=True, sharded=sharded)
         path = _paths(tmp, f"ours-{port}-{dp}x{tp}-{sharded}")
         ours = _fabric_run(fabric, path, dp)
-    if sharded:  # whose DCP wrote it: ours writes metadata.json, PyTorch's a pickled .metadata
+    if sharded:  # whose DCP wrote it: ours writes metadata.json (and a plain-text .metadata
+        # marker), PyTorch's a pickled .metadata and .distcp files
         written = sorted(os.listdir(path))
         assert ("metadata.json" in written) == (port == "full"), written
-        assert (".metadata" in written) == (port == "mid"), written
+        assert any(n.endswith(".distcp") for n in written) == (port == "mid"), written
     assert ("torch.distributed.device_mesh", "init_device_mesh") in swapped.torch_attrs
     helpers = ("torch.distributed.checkpoint.state_dict", "get_model_state_dict")
     assert (helpers in swapped.torch_attrs) == (port == "full"), swapped.torch_attrs
