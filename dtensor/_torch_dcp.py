@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 # [Note: PyTorch's state-dict helpers and our DTensor] PyTorch's get/set_model_state_dict,
 # get/set_optimizer_state_dict and get/set_state_dict do their tensor work in a few helpers
 # of ``torch.distributed._state_dict_utils``: ``_gather_state_dict`` (full_state_dict),
-# ``_broadcast_state_dict`` (broadcast_from_rank0), ``_distribute_state_dict`` (full state
+# ``_broadcast_state_dict`` (broadcast_from_rank0; its per-key ``_broadcast_tensors`` too, so
+# one full tensor at a time is held), ``_distribute_state_dict`` (full state
 # dict on every rank) and ``_create_cpu_state_dict`` (staging for async saves). Each picks
 # its sharded path with ``isinstance(x, torch.distributed.tensor.DTensor)``; every other
 # tensor is taken as a plain local tensor and, with full_state_dict, passes through the
@@ -147,6 +148,25 @@ def _wrap_set(original, helper: str):
     return set_state_dict
 
 
+def _wrap_broadcast_tensors(original):
+    """Wrap ``_broadcast_tensors``, which ``_broadcast_state_dict`` calls for one key at a
+    time: each full tensor is cut to this rank's block as soon as it arrives, so one full
+    tensor at a time is held, as PyTorch holds for its own DTensors."""
+
+    @functools.wraps(original)
+    def broadcast_tensors(full_state_dict, local_state_dict, keys, *args, **kwargs):
+        ours = {
+            k: local_state_dict[k] for k in keys if isinstance(local_state_dict.get(k), DTensor)
+        }
+        original(full_state_dict, local_state_dict, keys, *args, **kwargs)
+        for key, dt in ours.items():
+            value = local_state_dict.get(key)
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                local_state_dict[key] = _shard_like(value, dt, key, "_broadcast_tensors")
+
+    return broadcast_tensors
+
+
 def _wrap_cpu_copy(original):
     """Wrap ``_create_cpu_state_dict``: our DTensor gets a CPU DTensor of its layout, whose
     local tensor is made as the original makes a plain tensor's (pinned, shared)."""
@@ -168,6 +188,7 @@ def _wrap_cpu_copy(original):
 
 _WRAPPERS = {
     "_gather_state_dict": _wrap_gather,
+    "_broadcast_tensors": _wrap_broadcast_tensors,
     "_broadcast_state_dict": lambda f: _wrap_set(f, "_broadcast_state_dict"),
     "_distribute_state_dict": lambda f: _wrap_set(f, "_distribute_state_dict"),
     "_create_cpu_state_dict": _wrap_cpu_copy,
