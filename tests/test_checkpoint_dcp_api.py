@@ -357,3 +357,26 @@ def _flat(d: dict, prefix: str = "") -> dict:
         else:
             out[key] = v
     return out
+
+
+def _user_mistakes(tmp: str) -> None:
+    root = Path(tmp)
+    rank = dist.get_rank()
+    state = {"model": {"w": torch.arange(6.0).view(3, 2)}, "step": 3}
+    # a rank number in the path: every rank learns it, nothing is written
+    with pytest.raises(dcp.CheckpointError, match=r"different checkpoint_id directories") as e:
+        dcp.save(state, checkpoint_id=root / f"rank-{rank}")
+    assert str(root / "rank-0") in str(e.value) and str(root / "rank-1") in str(e.value)
+    dist.barrier()
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == []
+    # a misspelt top-level name: the checkpoint's names, and no strict=False advice
+    dcp.save(state, checkpoint_id=root / "ok")
+    wrong = {"Model": {"w": torch.zeros(3, 2)}, "step": 0}
+    with pytest.raises(dcp.CheckpointError, match=r"holds nothing under \['Model'\]") as e:
+        dcp.load(wrong, checkpoint_id=root / "ok")
+    assert "['model', 'step']" in str(e.value) and "strict=False" not in str(e.value)
+    assert torch.equal(wrong["Model"]["w"], torch.zeros(3, 2)) and wrong["step"] == 0
+
+
+def test_user_mistakes_are_named(tmp_path):
+    run_on_ranks(2, _user_mistakes, tmp=str(tmp_path))

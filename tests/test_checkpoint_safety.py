@@ -246,7 +246,7 @@ def test_key_mismatches_are_one_error_listing_every_key(ckpt):
 
 
 def test_save_refuses_unstorable_values(tmp_path):
-    with pytest.raises(CheckpointError, match="'cfg.dtype' is a dtype"):
+    with pytest.raises(CheckpointError, match="'cfg.dtype' holds an object of type dtype"):
         dcp.save({"cfg": {"dtype": torch.float32}}, checkpoint_id=tmp_path / "c")
     assert not (tmp_path / "c").exists()
     (tmp_path / "mine").mkdir()

@@ -109,7 +109,7 @@ def encode_value(key: str, value: Any) -> Any:
             "dict values. Put it in a dict."
         )
     raise CheckpointError(
-        f"{key!r} is a {type(value).__name__}, which a checkpoint cannot store (no pickle): "
+        f"{key!r} holds an object of type {type(value).__name__}, which a checkpoint cannot store (no pickle): "
         "use None, bool, int, float, str, or lists, tuples and dicts of those"
     )
 

@@ -268,10 +268,11 @@ def _write_and_commit(
 ) -> Metadata:
     mine = None if token is None else _partial_dir(final, token)  # rank 0's, if it made one
     described = {k: i.describe() for k, i in snap.items.items()}
-    plan = {"token": token, "items": described, "values": snap.values}
+    plan = {"token": token, "items": described, "values": snap.values, "dir": str(final)}
     gathered = _agree_or_discard(group, problems, plan, mine)  # exchange 1
     token = gathered[0]["token"]
     partial = _partial_dir(final, token)
+    _check_one_directory([g["dir"] for g in gathered], partial, group)
     try:
         entries, writes = assign_writers([g["items"] for g in gathered], lowest_rank=lowest_rank)
     except CheckpointError as e:
@@ -290,6 +291,18 @@ def _write_and_commit(
     group.agree(problems)  # exchange 3
     logger.info("saved %d tensors to %s", len(entries), final)
     return md
+
+
+def _check_one_directory(dirs: list[str], partial: Path, group: Group) -> None:
+    """Every rank saves into one directory: ranks that name different ones (a rank in the
+    path) learn it together, before anything is written."""
+    if len(set(dirs)) > 1:
+        _discard(partial, group)
+        named = ", ".join(f"rank {r}: {d}" for r, d in enumerate(dirs))
+        raise CheckpointError(
+            f"the ranks passed different checkpoint_id directories ({named}); every rank of "
+            "the group must pass the same one (each writes its own file inside it)"
+        )
 
 
 def _write_my_file(snap: _Snapshot, mine: list, partial: Path, rank: int):
@@ -622,19 +635,29 @@ def _load_plan(state_dict: Mapping, md: Metadata, strict: bool, whole_source: bo
     roots = {key.split(".", 1)[0] for key in flat}
     unexpected = [k for k in sorted(md.tensors.keys() | md.values.keys())
                   if k not in flat and (whole_source or k.split(".", 1)[0] in roots)]  # fmt: skip
+    _raise_on_mismatch(md, mismatched, missing if strict else [], unexpected if strict else [])
+    return plan
+
+
+def _raise_on_mismatch(md: Metadata, mismatched: list, missing: list, unexpected: list) -> None:
     lines = []
     if mismatched:
         lines.append("mis-shaped or of the wrong kind: " + ", ".join(mismatched))
-    if strict and missing:
+    if missing:
         lines.append("missing from the checkpoint: " + ", ".join(missing))
-    if strict and unexpected:
+    if unexpected:
         lines.append("in the checkpoint but not in the state dict: " + ", ".join(unexpected))
+    saved = sorted({k.split(".", 1)[0] for k in md.tensors.keys() | md.values.keys()})
+    absent = sorted({k.split(".", 1)[0] for k in missing} - set(saved))
+    if absent:  # strict=False would load nothing there: a renamed or misspelt key, likely
+        lines.append(
+            f"the checkpoint holds nothing under {absent}; its top-level names are {saved}"
+        )
     if lines:
-        hint = "" if mismatched else " (pass strict=False to load the keys that match)"
+        hint = "" if mismatched or absent else " (pass strict=False to load the keys that match)"
         raise CheckpointError(
             "the state dict does not match the checkpoint" + hint + ":\n" + "\n".join(lines)
         )
-    return plan
 
 
 def _memory(t: torch.Tensor) -> tuple:
