@@ -138,7 +138,60 @@ def refuse(name: str, value, default, why: str) -> None:
         raise ValueError(f"{name}={value!r} is not supported: {why}")
 
 
-class FileSystemWriter(StorageWriter):
+class _AtPath:
+    """What this library's storage objects share: a path (``checkpoint_id``, ``reset``) and
+    PyTorch's plan steps, which save and load never call (they drive the files themselves)."""
+
+    path: Path
+
+    @property
+    def checkpoint_id(self) -> Path:
+        """The checkpoint directory (or Hugging Face folder)."""
+        return self.path
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """Point this object at another path (``None`` keeps the current one)."""
+        if checkpoint_id is not None:
+            _check_path(f"{type(self).__name__}.reset", checkpoint_id)
+            self.path = Path(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """Whether ``checkpoint_id`` is a non-empty path."""
+        return _is_path(checkpoint_id)
+
+    prepare_local_plan = prepare_global_plan = _not_driven
+
+
+class PathWriter(_AtPath, StorageWriter):
+    """Base of this library's writers (``FileSystemWriter``, ``HuggingFaceStorageWriter``).
+
+    Example::
+
+        >>> isinstance(FileSystemWriter("ckpt"), PathWriter)
+        True
+    """
+
+    def storage_meta(self) -> StorageMeta:
+        """``StorageMeta(checkpoint_id=<the path>)``."""
+        return StorageMeta(checkpoint_id=str(self.path))
+
+    set_up_storage_writer = write_data = finish = _not_driven
+
+
+class PathReader(_AtPath, StorageReader):
+    """Base of this library's readers (``FileSystemReader``, ``HuggingFaceStorageReader``).
+
+    Example::
+
+        >>> isinstance(FileSystemReader("ckpt"), PathReader)
+        True
+    """
+
+    set_up_storage_reader = read_data = _not_driven
+
+
+class FileSystemWriter(PathWriter):
     """Save to a directory in this library's format, with PyTorch's constructor arguments.
 
     ``overwrite=False`` makes a save into an existing checkpoint an error (PyTorch's
@@ -182,28 +235,6 @@ class FileSystemWriter(StorageWriter):
         self.path = Path(path)
         self.overwrite = bool(overwrite)
 
-    @property
-    def checkpoint_id(self) -> Path:
-        """The checkpoint directory."""
-        return self.path
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        """Point the writer at another directory (``None`` keeps the current one)."""
-        if checkpoint_id is not None:
-            _check_path("FileSystemWriter.reset", checkpoint_id)
-            self.path = Path(checkpoint_id)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        """Whether ``checkpoint_id`` is a non-empty path."""
-        return _is_path(checkpoint_id)
-
-    def storage_meta(self) -> StorageMeta:
-        """``StorageMeta(checkpoint_id=<the directory>)``."""
-        return StorageMeta(checkpoint_id=str(self.path))
-
-    set_up_storage_writer = prepare_local_plan = prepare_global_plan = _not_driven
-    write_data = finish = _not_driven
     _dcp_driven = True  # save drives this class (and subclasses that override no step)
 
     def _dcp_persist(self, write, snapshot, group, problems: list[str]):
@@ -216,7 +247,7 @@ class FileSystemWriter(StorageWriter):
         return write(snapshot, self.path, group, problems)
 
 
-class FileSystemReader(StorageReader):
+class FileSystemReader(PathReader):
     """Load from a directory this library's save wrote, with PyTorch's constructor.
 
     ``read_metadata()`` returns PyTorch's :class:`~dtensor.checkpoint.Metadata` (keys,
@@ -239,27 +270,10 @@ class FileSystemReader(StorageReader):
                "stream transforms are not part of this format; drop the argument")  # fmt: skip
         self.path = Path(path)
 
-    @property
-    def checkpoint_id(self) -> Path:
-        """The checkpoint directory."""
-        return self.path
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        """Point the reader at another directory (``None`` keeps the current one)."""
-        if checkpoint_id is not None:
-            _check_path("FileSystemReader.reset", checkpoint_id)
-            self.path = Path(checkpoint_id)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        """Whether ``checkpoint_id`` is a non-empty path."""
-        return _is_path(checkpoint_id)
-
     def read_metadata(self, *args, **kwargs) -> Metadata:
         """The checkpoint's metadata as PyTorch's ``Metadata`` (no process group needed)."""
         return to_public(self._dcp_source()[1], str(self.path))
 
-    set_up_storage_reader = prepare_local_plan = prepare_global_plan = read_data = _not_driven
     _dcp_driven = True  # load drives this class (and subclasses that override no step)
     _dcp_whole_source = False  # checkpoint keys under other top-level names are fine
 

@@ -13,26 +13,18 @@ reads only its shards' bytes.
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
-from dtensor.checkpoint.filesystem import (
-    StorageReader,
-    StorageWriter,
-    _check_path,
-    _is_path,
-    _not_driven,
-    refuse,
-)
+from dtensor.checkpoint.filesystem import PathReader, PathWriter, _check_path, refuse
 from dtensor.checkpoint.hf import export_hf, read_hf_metadata
-from dtensor.checkpoint.public_metadata import Metadata, StorageMeta, to_public
+from dtensor.checkpoint.public_metadata import Metadata, to_public
 
 STAGING = ".dcp-staging"
 
 
-class HuggingFaceStorageWriter(StorageWriter):
+class HuggingFaceStorageWriter(PathWriter):
     """Save a state dict as a Hugging Face folder (``from_pretrained`` reads it).
 
     Keys are the state dict's flattened keys (pass Hugging Face names). Without
@@ -74,28 +66,6 @@ class HuggingFaceStorageWriter(StorageWriter):
         self.save_distributed = bool(save_distributed)
         self.enable_consolidation = bool(enable_consolidation)
 
-    @property
-    def checkpoint_id(self) -> Path:
-        """The output folder."""
-        return self.path
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        """Point the writer at another folder (``None`` keeps the current one)."""
-        if checkpoint_id is not None:
-            _check_path("HuggingFaceStorageWriter.reset", checkpoint_id)
-            self.path = Path(checkpoint_id)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        """Whether ``checkpoint_id`` is a non-empty path."""
-        return _is_path(checkpoint_id)
-
-    def storage_meta(self) -> StorageMeta:
-        """``StorageMeta(checkpoint_id=<the folder>)``."""
-        return StorageMeta(checkpoint_id=str(self.path))
-
-    set_up_storage_writer = prepare_local_plan = prepare_global_plan = _not_driven
-    write_data = finish = _not_driven
     _dcp_driven = True
 
     def _dcp_persist(self, write, snapshot, group, problems: list[str]):
@@ -103,7 +73,7 @@ class HuggingFaceStorageWriter(StorageWriter):
         return save_hf(write, snapshot, self, group, problems)
 
 
-class HuggingFaceStorageReader(StorageReader):
+class HuggingFaceStorageReader(PathReader):
     """Load a Hugging Face safetensors folder (or file) into any layout: ``load_hf`` by name.
 
     Example::
@@ -116,27 +86,10 @@ class HuggingFaceStorageReader(StorageReader):
         refuse("thread_count", thread_count, 1, "each rank maps the files it needs; drop it")
         self.path = Path(path)
 
-    @property
-    def checkpoint_id(self) -> Path:
-        """The folder."""
-        return self.path
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        """Point the reader at another folder (``None`` keeps the current one)."""
-        if checkpoint_id is not None:
-            _check_path("HuggingFaceStorageReader.reset", checkpoint_id)
-            self.path = Path(checkpoint_id)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        """Whether ``checkpoint_id`` is a non-empty path."""
-        return _is_path(checkpoint_id)
-
     def read_metadata(self, *args, **kwargs) -> Metadata:
         """The folder's tensors as PyTorch's ``Metadata`` (one chunk per tensor)."""
         return to_public(self._dcp_source()[1], str(self.path))
 
-    set_up_storage_reader = prepare_local_plan = prepare_global_plan = read_data = _not_driven
     _dcp_driven = True
     _dcp_whole_source = True  # as load_hf: every tensor of the files counts
 
