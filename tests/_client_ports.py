@@ -109,3 +109,30 @@ def ported(
     finally:
         for module, attr, value in reversed(undo):
             setattr(module, attr, value)
+
+
+def check_resumed(run: dict, arm: str) -> None:
+    """A run that saved, went on, and was resumed from its checkpoint by a fresh model: the
+    loaded values are the saved ones, and the resumed step (its loss, its learning rate when
+    the run records one, every parameter) is the uninterrupted run's, bit for bit."""
+    import torch
+
+    for name, saved in run["saved"].items():
+        assert torch.equal(run["loaded"][name], saved), f"{arm}: {name} not loaded as saved"
+    assert run["resumed_loss"] == run["losses"][2], (arm, run["resumed_loss"], run["losses"])
+    if "resumed_lr" in run:
+        assert run["resumed_lr"] == run["lr"], (arm, run["resumed_lr"], run["lr"])
+    for name, full in run["uninterrupted"].items():
+        got = run["resumed"][name]
+        assert torch.equal(got, full), (
+            f"{arm}: {name} resumed differs by {(got - full).abs().max()}"
+        )
+
+
+def shared_path(tmp: str, tag: str) -> str:
+    """``tmp/tag`` as rank 0 names it, on every rank (one checkpoint directory for all)."""
+    import torch.distributed as dist
+
+    obj = [f"{tmp}/{tag}"]
+    dist.broadcast_object_list(obj, src=0)
+    return obj[0]

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests._client_ports import ported
+from tests._client_ports import check_resumed, ported, shared_path
 from tests.harness import run_on_ranks
 
 pytestmark = pytest.mark.skipif(
@@ -202,23 +202,6 @@ def _fabric(dp: int, tp: int, ours: bool, sharded: bool = True):
     return fabric
 
 
-def _check_resumed(run: dict, arm: str) -> None:
-    for name, saved in run["saved"].items():
-        assert torch.equal(run["loaded"][name], saved), f"{arm}: {name} not loaded as saved"
-    assert run["resumed_loss"] == run["losses"][2], (arm, run["resumed_loss"], run["losses"])
-    for name, full in run["uninterrupted"].items():
-        got = run["resumed"][name]
-        assert torch.equal(got, full), (
-            f"{arm}: {name} resumed differs by {(got - full).abs().max()}"
-        )
-
-
-def _paths(tmp: str, tag: str) -> str:
-    obj = [f"{tmp}/{tag}"]
-    dist.broadcast_object_list(obj, src=0)
-    return obj[0]
-
-
 # PyTorch's run, per (dp, tp, sharded), kept in the worker for the ported test that follows
 _THEIRS: dict[tuple[int, int, bool], dict] = {}
 
@@ -232,10 +215,10 @@ def _torch_arm(tmp: str, dp: int, tp: int, sharded: bool = True) -> dict:
         assert dist.is_initialized() and dist.get_world_size() == dp * tp
         group = dist.group.WORLD
         fabric = _fabric(dp, tp, ours=False, sharded=sharded)
-        run = _fabric_run(fabric, _paths(tmp, f"torch-{dp}x{tp}-{sharded}"), dp)
+        run = _fabric_run(fabric, shared_path(tmp, f"torch-{dp}x{tp}-{sharded}"), dp)
         assert dist.group.WORLD is group  # Fabric adopted the harness's group
         assert not isinstance(next(run["model"].parameters()), dtensor.DTensor)
-        _check_resumed(run, "PyTorch")
+        check_resumed(run, "PyTorch")
         del run["model"]
         _THEIRS[key] = run
     return _THEIRS[key]
@@ -259,7 +242,7 @@ def _fabric_ported(tmp: str, dp: int, tp: int, port: str, sharded: bool = True) 
     with ported(table, clients=("lightning_fabric",), call_time=table) as swapped:
         assert not swapped.missing, f"ours lacks {swapped.missing}"
         fabric = _fabric(dp, tp, ours=True, sharded=sharded)
-        path = _paths(tmp, f"ours-{port}-{dp}x{tp}-{sharded}")
+        path = shared_path(tmp, f"ours-{port}-{dp}x{tp}-{sharded}")
         ours = _fabric_run(fabric, path, dp)
     if sharded:  # whose DCP wrote it: ours writes metadata.json (and a plain-text .metadata
         # marker), PyTorch's a pickled .metadata and .distcp files
@@ -272,7 +255,7 @@ def _fabric_ported(tmp: str, dp: int, tp: int, port: str, sharded: bool = True) 
     assert isinstance(fabric.strategy.device_mesh, device_mesh.DeviceMesh)
     assert isinstance(ours["model"].module, fsdp2.FSDPModule)
     assert all(isinstance(p, dtensor.DTensor) for p in ours["model"].parameters())
-    _check_resumed(ours, "ours")
+    check_resumed(ours, "ours")
     # and it computed what PyTorch computed, bit for bit
     assert ours["losses"] == theirs["losses"], (ours["losses"], theirs["losses"])
     for key in ("saved", "uninterrupted", "resumed"):

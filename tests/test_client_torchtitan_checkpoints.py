@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from tests import _torch_compat as compat
-from tests._client_ports import ported
+from tests._client_ports import check_resumed, ported, shared_path
 from tests.harness import run_on_ranks
 from tests.test_torchtitan_interop import (
     _PORT,
@@ -241,24 +241,6 @@ def _listing(folder: str) -> dict[str, list[str]]:
     return {d: sorted(os.listdir(os.path.join(folder, d))) for d in sorted(os.listdir(folder))}
 
 
-def _check_resumed(run: dict, arm: str) -> None:
-    for name, saved in run["saved"].items():
-        assert torch.equal(run["loaded"][name], saved), f"{arm}: {name} not loaded as saved"
-    assert run["resumed_loss"] == run["losses"][2], (arm, run["resumed_loss"], run["losses"])
-    assert run["resumed_lr"] == run["lr"], (arm, run["resumed_lr"], run["lr"])
-    for name, full in run["uninterrupted"].items():
-        got = run["resumed"][name]
-        assert torch.equal(got, full), (
-            f"{arm}: {name} resumed differs by {(got - full).abs().max()}"
-        )
-
-
-def _folder(tmp: str, tag: str) -> str:
-    obj = [f"{tmp}/{tag}"]
-    dist.broadcast_object_list(obj, src=0)
-    return obj[0]
-
-
 # PyTorch's run, per dp, kept in the worker for the ported test that follows it
 _THEIRS: dict[int, dict] = {}
 
@@ -270,11 +252,15 @@ def _torch_arm(tmp: str, dp: int) -> dict:
         llama3, parallel_dims, dist_utils = _import_torchtitan()
         with _on_cpu(parallel_dims, dist_utils):
             run = _titan_run(
-                llama3, parallel_dims.ParallelDims, _folder(tmp, f"torch-{dp}"), dp, torch_run=True
+                llama3,
+                parallel_dims.ParallelDims,
+                shared_path(tmp, f"torch-{dp}"),
+                dp,
+                torch_run=True,
             )
         assert not isinstance(next(run.pop("model").parameters()), dtensor.DTensor)
         run.pop("mesh")
-        _check_resumed(run, "PyTorch")
+        check_resumed(run, "PyTorch")
         _THEIRS[dp] = run
     return _THEIRS[dp]
 
@@ -302,7 +288,7 @@ def _titan_ported(tmp: str, dp: int, port: str) -> None:
     ):
         ported_dcp = ("torchtitan.components.checkpointer.dcp", "dcp") in swapped.rebound
         assert ported_dcp == (port != "mid"), swapped.rebound
-        folder = _folder(tmp, f"ours-{dp}-{port}")
+        folder = shared_path(tmp, f"ours-{dp}-{port}")
         ours = _titan_run(llama3, parallel_dims.ParallelDims, folder, dp, torch_run=False)
     # whose DCP wrote it: ours writes metadata.json, PyTorch's a pickled .metadata
     written = _listing(f"{folder}/checkpoint")["step-2"]
@@ -313,7 +299,7 @@ def _titan_ported(tmp: str, dp: int, port: str) -> None:
     assert issubclass(ours.pop("mesh"), device_mesh.DeviceMesh) == meshes
     assert isinstance(model, fsdp2.FSDPModule)
     assert all(isinstance(p, dtensor.DTensor) for p in model.parameters())
-    _check_resumed(ours, "ours")
+    check_resumed(ours, "ours")
     assert ours["losses"] == theirs["losses"], (ours["losses"], theirs["losses"])
     for key in ("saved", "uninterrupted", "resumed"):
         for name, full in theirs[key].items():
