@@ -444,5 +444,35 @@ def _prepare_reduce(local: torch.Tensor, partial: Partial, k: int, ws=None):
         x, r, finish = _prepare_reduce(local.to(torch.uint8), partial, k)
         return x, r, lambda y: finish(y).to(torch.bool)
     r = reduction_of(partial, k)
+    if r.op in ("max", "min") and local.is_floating_point():
+        keys, back = _ordered_keys(local, r.op)
+        x, r, finish = _prepare_reduce(keys, partial, k, ws)
+        return x, r, lambda y: back(finish(y))
     x = r.before(_buffer(ws, local.shape, local).copy_(local), inplace=True)
     return x, r, r.after
+
+
+# [Note: NaN in a max or min all-reduce] torch.amax / amin return NaN where any value is NaN;
+# gloo's MAX and MIN compare with < and keep a NaN only in some operand orders, so a
+# Partial("max") holding NaN on one rank came out NaN on some elements and a number on
+# others. Floats therefore travel as integers ordered as the floats are (the sign-magnitude
+# bits of a negative float reversed), a NaN as the integer above (max) or below (min) every
+# other, and come back exactly; one collective of the same size, eager or traced.
+_KEY_DTYPES = {torch.float64: torch.int64, torch.float32: torch.int32}
+
+
+def _ordered_keys(x: torch.Tensor, op: str):
+    """(integer keys of ``x`` whose max / min is that of ``x`` with NaN winning, function
+    that turns reduced keys back into values of ``x``'s dtype)."""
+    dtype = x.dtype
+    wide = x if dtype in _KEY_DTYPES else x.float()  # halves widen exactly
+    kind = _KEY_DTYPES[wide.dtype]
+    info = torch.iinfo(kind)
+    shift = info.bits - 1
+
+    def flip(bits):  # an involution: float bits <-> ordered keys
+        return bits ^ ((bits >> shift) & info.max)
+
+    keys = flip(wide.contiguous().view(kind))
+    keys = keys.masked_fill(torch.isnan(wide), info.max if op == "max" else info.min)
+    return keys, lambda y: flip(y).view(wide.dtype).to(dtype)

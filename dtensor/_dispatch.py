@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import weakref
 
 import torch
@@ -37,7 +38,7 @@ from dtensor._ops._common import (
     is_multi_tensor,
 )
 from dtensor._spec import DTensorSpec, TensorMeta
-from dtensor.placement import Replicate, _StridedShard, format_placements
+from dtensor.placement import Partial, Replicate, _StridedShard, format_placements
 from dtensor.tensor import (
     DTensor,
     _new_dtensor,
@@ -168,12 +169,22 @@ def dispatch_by_rule(func, args, kwargs, signature=None):
     if cached is None:
         if find_rule(func) is None:
             return _run_without_rule(func, leaves, treespec)
-        cached = _propagate(func, leaves, treespec)
+        try:
+            cached = _propagate(func, leaves, treespec)
+        except _ShapesUnknown:
+            # x[bool_mask]: replicated inputs can still run, each rank on the whole tensors
+            if all(x._spec.is_replicated() for x in leaves if isinstance(x, DTensor)):
+                return _run_without_rule(func, leaves, treespec)
+            raise
         if rules is not None:
             _put(rules, key, cached)
     sharding, out_meta = cached
+    target = leaves[0] if facts.inplace and isinstance(leaves[0], DTensor) else None
+    before = target.placements if target is not None else None
     out = _run(func, args, leaves, treespec, sharding, out_meta)
-    if key is not None and facts.fast:
+    # a call whose target was reduced where it lies (_reduce_target_in_place) is not
+    # remembered: the fast path would replay it without the reduction
+    if key is not None and facts.fast and (target is None or target.placements == before):
         _remember_hit(facts, key, mesh, args, kwargs, leaves, sharding, out)
     return out
 
@@ -204,7 +215,9 @@ def _unflatten(leaves: list, treespec) -> tuple[tuple, dict]:
 
 def _replicate_scalars(func, leaves: list) -> list:
     """One-element plain tensors mixed with DTensors (and index tensors of index ops) become
-    replicated DTensors (their value is the same everywhere), so every rule sees specs only.
+    replicated DTensors (their value is the same everywhere), so every rule sees specs only;
+    inside ``implicit_replication()`` so do plain tensors of any size (not on the meta
+    device: those are left as they are outside it too, so a cached decision fits both).
     An in-place target must already be a DTensor: writing into a wrapped copy would silently
     lose the result."""
     mesh = None
@@ -215,7 +228,8 @@ def _replicate_scalars(func, leaves: list) -> list:
         if (
             isinstance(x, torch.Tensor)
             and not isinstance(x, DTensor)
-            and (any_size or x.numel() == 1)
+            # the flag is read only for a tensor _check_inputs let through because it was on
+            and (any_size or x.numel() == 1 or (x.device.type != "meta" and _IMPLICIT.on))
         ):
             if mesh is None:
                 mesh = next((y.device_mesh for y in leaves if isinstance(y, DTensor)), None)
@@ -258,8 +272,11 @@ def _run_without_rule(func, leaves, treespec):
     out = func(*local_args, **local_kwargs)
     for t in written:
         _inplace.write_back(t)
-    if written:
-        if not func._schema.returns:
+    returns = func._schema.returns
+    if written and all(r.alias_info is not None and r.alias_info.is_write for r in returns):
+        # it returns what it wrote (add_, out=); an op that writes some arguments and
+        # returns new tensors (batch norm's running statistics) is wrapped below
+        if not returns:
             return None
         return written[0] if len(written) == 1 else tuple(written)
     mesh = dtensors[0].device_mesh
@@ -274,6 +291,11 @@ def _run_without_rule(func, leaves, treespec):
     return tree_map(wrap, out)
 
 
+class _ShapesUnknown(NotImplementedError):
+    """The op's output shapes could not be derived on meta tensors (they depend on the
+    values, as ``x[bool_mask]``'s do, or the op has no meta kernel)."""
+
+
 def _propagate(func, leaves, treespec):
     # A distinct spec object per leaf, so rules can find a leaf by identity even when the
     # same DTensor is passed twice (x * x).
@@ -281,7 +303,7 @@ def _propagate(func, leaves, treespec):
     try:
         out_meta = _meta_outputs(func, leaves, treespec)
     except (RuntimeError, NotImplementedError) as e:
-        raise NotImplementedError(
+        raise _ShapesUnknown(
             f"{_no_rule_message(func, leaves, has_rule=True)} (its output shapes could not "
             f"be derived from the global input shapes: {e})"
         ) from e
@@ -301,12 +323,22 @@ def _run(func, args, leaves, treespec, sharding: OutputSharding, out_meta):
             want = sharding.input_placements.get(i)
             if want is not None and tuple(want) != x.placements:
                 if inplace and i == 0:
-                    raise NotImplementedError(
-                        f"{func}: the in-place target has placements "
-                        f"{format_placements(x.placements)} but the op needs "
-                        f"{format_placements(want)}; use the out-of-place op instead."
-                    )
-                x = redistribute_dtensor(x, want)
+                    if not _reduce_target_in_place(x, tuple(want)):
+                        partial = any(isinstance(p, Partial) for p in x.placements)
+                        raise NotImplementedError(
+                            f"{func}: the in-place target has placements "
+                            f"{format_placements(x.placements)} but the op needs "
+                            f"{format_placements(want)}; use the out-of-place op instead."
+                            + (
+                                " (A Partial target is reduced where it lies only when no "
+                                "view shares its memory: reduce it first with "
+                                "redistribute(placements=[Replicate()]).)"
+                                if partial
+                                else ""
+                            )
+                        )
+                else:
+                    x = redistribute_dtensor(x, want)
             x = x._local()
         local_leaves.append(x)
     local_args, local_kwargs = _unflatten(local_leaves, treespec)
@@ -325,11 +357,46 @@ def _run(func, args, leaves, treespec, sharding: OutputSharding, out_meta):
         if getattr(target, "_view_of", None) is not None:
             _inplace.write_back(target)
         return target if facts.returns else None
+    if facts.writes_out:
+        # ``out=`` DTensors: bump their versions as a plain write would, and carry the write
+        # up a gathered view's chain ([Note: writes through gathered views])
+        for t in _inplace.written_dtensors(func, *_unflatten(leaves, treespec)):
+            torch.autograd.graph.increment_version(t._local())
+            if getattr(t, "_view_of", None) is not None:
+                _inplace.write_back(t)
     wrapped = _wrap(out, sharding, out_meta, leaves)
     if isinstance(leaves[0], DTensor) and facts.view:
         outs = list(wrapped) if isinstance(wrapped, (list, tuple)) else [wrapped]
         _inplace.record_view(func, args, lambda: _unflatten(leaves, treespec)[1], leaves[0], outs)
     return wrapped
+
+
+def _reduce_target_in_place(target: DTensor, want: tuple) -> bool:
+    """Reduce the Partial mesh dims of an in-place target where it lies, when the op's rule
+    needs them replicated (``clamp_min_`` on a partial norm, ``add_`` of a number to a
+    partial sum, as ``cosine_similarity`` and ``rms_norm`` decompose): the reduction leaves
+    the target's value as it is, so its local tensor is overwritten with the reduced one
+    and its placements become ``want``. Only when that is all the rule asks (Partial ->
+    Replicate) and the local tensor is not a view of another tensor (whose Partial
+    placements would then hold replicated values). Returns whether it did."""
+    have = target.placements
+    if target._view_of is not None or any(
+        h != w and not (isinstance(h, Partial) and isinstance(w, Replicate))
+        for h, w in zip(have, want, strict=True)
+    ):
+        return False
+    local = target._local()
+    # Decided from what every rank shares (the op sequence that made the target), never
+    # from rank-local facts such as how many references hold its memory: ranks deciding
+    # differently would enter different collectives. A local tensor that is a view of
+    # another DTensor's block would leave that base partial over replicated values.
+    if local._base is not None:
+        return False
+    reduced = redistribute_dtensor(target, want)._local()
+    with torch.no_grad():
+        local.copy_(reduced)
+    target._spec = target._spec.with_placements(want)
+    return True
 
 
 def _wrap(out, sharding: OutputSharding, out_meta, leaves):
@@ -379,6 +446,19 @@ def _writes_first_argument(func) -> bool:
     return bool(first is not None and first.is_write) and not schema.name.endswith("_out")
 
 
+class _ImplicitReplication(threading.local):
+    """Whether this thread is inside ``dtensor.experimental.implicit_replication()`` (a
+    per-thread flag, as PyTorch's). Read only where a plain tensor would be refused, so an
+    op outside the context pays nothing for it. Calls with such a tensor never get a fast
+    path entry (``_remember_hit``) and the pipeline checks them before its cache, so a
+    decision made inside the context is never served outside it, nor the other way."""
+
+    on = False
+
+
+_IMPLICIT = _ImplicitReplication()
+
+
 def _check_inputs(func, leaves) -> None:
     meshes = []
     facts = _facts_of(func)
@@ -391,6 +471,8 @@ def _check_inputs(func, leaves) -> None:
         elif is_torch_dtensor(x):
             raise ValueError(torch_dtensor_message(str(func), "an input", x))
         elif isinstance(x, torch.Tensor) and x.numel() != 1 and x.device.type != "meta":
+            if _IMPLICIT.on and not facts.multi:
+                continue  # implicit_replication(): _replicate_scalars makes it a replica
             # ValueError, not TypeError: operator wrappers (a + b) turn a TypeError into
             # NotImplemented and the message would be lost.
             raise ValueError(_mixed_message(func, x))
@@ -426,7 +508,9 @@ def _mixed_message(func, x: torch.Tensor) -> str:
         "its own forward (a recomputation, a hook or another method re-running part of the "
         "forward: register_fsdp_forward_method runs the hooks around another method); or "
         "tensors of two libraries mixed (PyTorch's fully_shard, DTensor or parallelize_module "
-        "with this library's)."
+        "with this library's). If the tensor holds the same values on every rank, run the op "
+        "inside dtensor.experimental.implicit_replication(), which takes plain tensors as "
+        "replicated DTensors (not for _foreach_ ops)."
     )
 
 
@@ -441,6 +525,7 @@ def _keeps_strided(func, leaves, treespec) -> bool:
         "foreach_rule",
         "identity_rule",
         "foreach_norm_rule",
+        "foreach_max_rule",
         "random_inplace",
     ):
         return True
@@ -475,11 +560,21 @@ def _no_rule_message(func, leaves, *, has_rule: bool = False) -> str:
         for x in leaves
         if isinstance(x, DTensor)
     ]
-    what = "cannot shard" if has_rule else "has no sharding rule for"
+    head = (
+        f"DTensor {'cannot shard' if has_rule else 'has no sharding rule for'} {func} "
+        f"(inputs: {', '.join(specs)}). Call full_tensor() and run the op on plain tensors"
+    )
+    if has_rule:  # its output shapes could not be derived: a rule would not help
+        return (
+            f"{head}, redistribute the inputs to Replicate(), or add a rule in dtensor/_ops. "
+            "A custom op needs a fake kernel (torch.library.register_fake) for DTensor to "
+            "derive its output shapes."
+        )
     return (
-        f"DTensor {what} {func} (inputs: {', '.join(specs)}). Call full_tensor() and run "
-        "the op on plain tensors, redistribute the inputs to Replicate(), or add a rule in "
-        "dtensor/_ops."
+        f"{head} (mixed with other DTensors inside "
+        "dtensor.experimental.implicit_replication(), which takes plain tensors as "
+        "replicated), redistribute the inputs to Replicate(), or register a rule with "
+        "dtensor.experimental.register_sharding(op) (or add one in dtensor/_ops)."
     )
 
 
@@ -508,6 +603,7 @@ class _OpFacts:
         "reshape",
         "index",
         "multi",
+        "writes_out",
         "fast",
     )
 
@@ -526,7 +622,17 @@ class _OpFacts:
             self.reshape = None  # unsupported: the pipeline raises the error on every call
         self.index = func in _inplace.INDEX_OPS  # its plain tensors are indices
         self.multi = is_multi_tensor(func)  # _foreach_*: positions may sit on other meshes
-        self.fast = self.custom is None and not self.reshapes and not self.multi and not self.index
+        # writes an argument other than the first (``out=``): the write must reach gathered views
+        self.writes_out = not self.inplace and any(
+            a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments
+        )
+        self.fast = (
+            self.custom is None
+            and not self.reshapes
+            and not self.multi
+            and not self.index
+            and not self.writes_out
+        )
 
 
 def _facts_of(func) -> _OpFacts:

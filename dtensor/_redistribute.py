@@ -149,6 +149,10 @@ def redistribute_local(local: torch.Tensor, spec, dst_placements, *, async_op=Fa
     """
     steps = plan_redistribute(spec.placements, dst_placements)
     cur = list(spec.placements)
+    if local.is_conj() or local.is_neg():
+        # a lazy conjugate or negative view (``clone`` of ``_conj`` keeps the bit): the
+        # collectives read and copy raw memory, which would drop the pending conjugation
+        local = local.resolve_conj().resolve_neg()
     result = _eager.Pending.ready(local)
     for n, step in enumerate(steps):
         last = n == len(steps) - 1

@@ -125,3 +125,103 @@ def replicate_all(schema: OpSchema, ndim_outputs: int | None = None) -> OutputSh
     mesh_ndim = schema.mesh.ndim
     outs = [(Replicate(),) * mesh_ndim if m is not None else None for m in schema.out_meta]
     return OutputSharding(outs, inputs)
+
+
+# [Note: rules for one mesh dim] Most ops treat each mesh dim alike: whether ``cumsum`` may
+# keep a ``Shard(d)`` does not depend on what the other mesh dims do. A rule registered with
+# ``register_per_mesh_dim`` only lists, for ONE mesh dim, the ways the op can run: each an
+# ``Option(outputs, inputs)`` of one placement per tensor output and per DTensor input (in
+# argument order). ``expand_per_mesh_dim`` turns that list into the n-D answer: on each mesh
+# dim it takes the option that moves the least data from the inputs' current placements,
+# the first such on a tie, and always has "every input and output replicated" to fall back
+# on. Example, a scan along ``dim``:
+#
+#     @register_per_mesh_dim(aten.cumsum.default)
+#     def cumsum_options(schema):
+#         x, dim = schema.args[0], schema.args[1] % schema.args[0].ndim
+#         return [Option((Shard(d),), (Shard(d),)) for d in range(x.ndim) if d != dim]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to run an op on one mesh dim: a placement per tensor output (``None`` for an
+    output that is not a tensor) and per DTensor input, in argument order."""
+
+    outputs: tuple
+    inputs: tuple
+
+
+def _move_cost(have, want) -> float:
+    """How costly redistributing ``have`` -> ``want`` on one mesh dim is, roughly: nothing
+    without a change, a little for taking a block of a replicated tensor (local, but the
+    answer then comes out sharded where the caller had it whole), one collective otherwise,
+    two for a shard that must become a partial (gathered first)."""
+    if have == want:
+        return 0.0
+    if isinstance(have, Replicate):
+        return 0.1
+    if is_shard_like(have) and isinstance(want, Partial):
+        return 2.0
+    return 1.0
+
+
+def expand_per_mesh_dim(schema: OpSchema, options: list) -> OutputSharding:
+    """The n-D ``OutputSharding`` of a rule given as one-mesh-dim ``options`` (see the note
+    [rules for one mesh dim])."""
+    specs = [schema.leaves[i] for i in schema.spec_indices()]
+    n_out = len(schema.out_meta)
+    fallback = Option(
+        tuple(Replicate() if m is not None else None for m in schema.out_meta),
+        (Replicate(),) * len(specs),
+    )
+    outs = [[] for _ in range(n_out)]
+    ins = [[] for _ in specs]
+    writes_first = _writes_first_argument(schema.func)
+    for mesh_dim in range(schema.mesh.ndim):
+        have = [s.placements[mesh_dim] for s in specs]
+        best, best_cost = fallback, None
+        for opt in [*options, fallback]:
+            if len(opt.inputs) != len(specs) or len(opt.outputs) != n_out:
+                raise ValueError(
+                    f"rule for {schema.func} gave an option with {len(opt.inputs)} inputs and "
+                    f"{len(opt.outputs)} outputs; the op has {len(specs)} and {n_out}"
+                )
+            if writes_first and opt.inputs[0] != have[0] and opt is not fallback:
+                continue  # an in-place target is never redistributed
+            cost = sum(_move_cost(h, w) for h, w in zip(have, opt.inputs))
+            if best_cost is None or cost < best_cost:
+                best, best_cost = opt, cost
+        for k, p in enumerate(best.outputs):
+            outs[k].append(p)
+        for k, p in enumerate(best.inputs):
+            ins[k].append(p)
+    out_placements = [tuple(o) if m is not None else None for o, m in zip(outs, schema.out_meta)]
+    inputs = {i: tuple(p) for i, p in zip(schema.spec_indices(), ins)}
+    return OutputSharding(out_placements, inputs)
+
+
+def _writes_first_argument(func) -> bool:
+    args = func._schema.arguments
+    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+
+
+def register_per_mesh_dim(*ops):
+    """Register ``fn(schema) -> list[Option]`` (the ways to run the op on one mesh dim) for
+    ``ops``; dispatch expands it to the mesh (see the note [rules for one mesh dim])."""
+
+    def deco(fn):
+        def rule(schema: OpSchema) -> OutputSharding:
+            return expand_per_mesh_dim(schema, list(fn(schema)))
+
+        rule.options = fn
+        register(*ops)(rule)
+        return fn
+
+    return deco
+
+
+def register_replicated(*ops):
+    """Ops that need whole tensors (sorts of the whole input, factorizations, ops whose
+    every dim is mixed): inputs are gathered, outputs replicated. Correct for every input,
+    at the price of the gathers; give an op a finer rule when it matters for speed."""
+    register(*ops)(replicate_all)

@@ -38,7 +38,8 @@ _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 # (a new thread starts with the default, False), and a nested or failed block restores the
 # value it found. The backward handlers act whenever they are handed a class-sharded
 # log-softmax output: only loss_parallel's forward makes one (the ordinary softmax rule
-# replicates the softmax dim, and nll_loss has no rule for a sharded input), so they need no
+# replicates the softmax dim; the nll_loss rule gathers the class dim, and the nll backward
+# handler leaves to it every call loss_parallel's forward would not make), so they need no
 # flag, and the backward is right on whichever thread autograd runs it (a CUDA device thread
 # does not see the caller's context variables).
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("loss_parallel", default=False)
@@ -121,6 +122,11 @@ def _targets(target, logp: DTensor, ignore_index: int):
     return (t - lo).masked_fill(outside, 0), outside, t != ignore_index
 
 
+def _replicated(x) -> bool:
+    """A plain tensor or number, or a DTensor replicated on every mesh dim."""
+    return not isinstance(x, DTensor) or all(p.is_replicate() for p in x.placements)
+
+
 def _check_supported(weight, reduction: int) -> None:
     if weight is not None:
         raise NotImplementedError("loss_parallel: class weights are not supported.")
@@ -153,9 +159,17 @@ def _nll_forward(func, args, kwargs):
 @custom(aten.nll_loss_backward.default)
 def _nll_backward(func, args, kwargs):
     grad_out, logp, target, weight, reduction, ignore_index, total_weight = args
-    if not _class_sharded(logp, 1):
+    # Only loss_parallel's forward takes class-sharded log-probabilities with replicated
+    # targets and no class weights; the nll_loss rule (dtensor/_ops/losses.py) takes them
+    # too, gathering the class dim, and its backward is the rule's.
+    if not (
+        _class_sharded(logp, 1)
+        and weight is None
+        and reduction in _REDUCTIONS
+        and _replicated(target)
+        and _replicated(grad_out)
+    ):
         return dispatch_by_rule(func, args, kwargs)
-    _check_supported(weight, reduction)
     local = logp._local()
     g = grad_out._local() if isinstance(grad_out, DTensor) else grad_out
     cols, outside, _ = _targets(target, logp, ignore_index)
