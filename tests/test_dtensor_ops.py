@@ -144,9 +144,9 @@ def _check_errors():
     mesh = init_device_mesh("cpu", (2,))
     dx = distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)])
     with pytest.raises(
-        NotImplementedError, match=r"no sharding rule for aten\.cumsum.*\(4, 3\) \(S\(0\)\)"
+        NotImplementedError, match=r"no sharding rule for aten\.renorm.*\(4, 3\) \(S\(0\)\)"
     ):
-        torch.cumsum(dx, 0)
+        torch.renorm(dx, 2, 0, 1.0)
     with pytest.raises(
         ValueError,
         match=r"plain torch.Tensor of shape \(4, 3\) mixed with DTensors.*distribute_tensor",

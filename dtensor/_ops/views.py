@@ -1,5 +1,8 @@
 """View and shape ops: t, transpose, permute, view/reshape, unsqueeze/squeeze, expand,
-slice/select/split, and the like.
+slice/select/split, diagonal/diag_embed, and the like, with their ``*_copy`` forms (the same
+layouts, a fresh tensor) and the backward ops of the slicing views (``slice_backward``,
+``select_backward``, ``diagonal_backward``: the gradient scattered into zeros of the
+input's shape, each rank building its own block).
 
 A shard survives a view when every rank's local block maps onto the same block of the
 output. For ``view`` that is checked exactly: the chunk sizes of the first input dim of a
@@ -43,13 +46,13 @@ def _simple(schema, dim_map, gather_dims=(), n_out=1):
     return OutputSharding([out] * n_out, {schema.leaf_index(spec): need})
 
 
-@register(aten.t.default)
+@register(aten.t.default, aten.t_copy.default)
 def t_rule(schema):
     nd = schema.args[0].ndim
     return _simple(schema, {0: 1, 1: 0} if nd == 2 else {0: 0})
 
 
-@register(aten.transpose.int)
+@register(aten.transpose.int, aten.transpose_copy.int)
 def transpose_rule(schema):
     spec, d0, d1 = schema.args[0], schema.args[1], schema.args[2]
     nd = max(spec.ndim, 1)
@@ -59,34 +62,43 @@ def transpose_rule(schema):
     return _simple(schema, m)
 
 
-@register(aten.permute.default)
+@register(aten.permute.default, aten.permute_copy.default)
 def permute_rule(schema):
     spec, dims = schema.args[0], schema.args[1]
     nd = max(spec.ndim, 1)
     return _simple(schema, {d % nd: i for i, d in enumerate(dims)})
 
 
-@register(aten.unsqueeze.default)
+@register(aten.unsqueeze.default, aten.unsqueeze_copy.default)
 def unsqueeze_rule(schema):
     spec, dim = schema.args[0], schema.args[1]
     dim = dim % (spec.ndim + 1)
     return _simple(schema, {d: d + (d >= dim) for d in range(spec.ndim)})
 
 
-@register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+@register(
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.squeeze_copy.dim,
+    aten.squeeze_copy.dims,
+    aten.squeeze_copy.default,
+)
 def squeeze_rule(schema):
     spec = schema.args[0]
-    if schema.func is aten.squeeze.default:
+    if schema.func._overloadname == "default":
         dims = [d for d in range(spec.ndim) if spec.shape[d] == 1]
     else:
         dims = schema.args[1]
         dims = [dims] if isinstance(dims, int) else list(dims)
-        dims = [d % max(spec.ndim, 1) for d in dims if spec.shape[d % max(spec.ndim, 1)] == 1]
+        # a 0-d tensor has no dims to squeeze (its dim 0 / -1 is accepted and does nothing)
+        dims = [d % spec.ndim for d in dims if spec.ndim and spec.shape[d % spec.ndim] == 1]
     m = {d: d - sum(1 for s in dims if s < d) for d in range(spec.ndim) if d not in dims}
     sharding = _simple(schema, m, gather_dims=dims)
     # Squeeze locally exactly the dims of global size 1: a shard whose local size happens to
     # be 1 (7 rows over 7 ranks, the last of 7 over 3) is not squeezed on its rank alone.
-    sharding.local_fn = lambda x, *args, **kwargs: aten.squeeze.dims(x, dims)
+    local = aten.squeeze_copy.dims if schema.name == "squeeze_copy" else aten.squeeze.dims
+    sharding.local_fn = lambda x, *args, **kwargs: local(x, dims)
     return sharding
 
 
@@ -105,7 +117,7 @@ def _local_shape_fn(func, out_shape, out_placements, mesh, arg_index=1):
     return local_fn
 
 
-@register(aten.expand.default)
+@register(aten.expand.default, aten.expand_copy.default)
 def expand_rule(schema):
     spec = schema.args[0]
     out_shape = tuple(schema.out_meta[0].shape)
@@ -200,7 +212,13 @@ def view_placements(in_shape, out_shape, placements, mesh_shape):
     return tuple(out), tuple(need)
 
 
-@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+@register(
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.view_copy.default,
+    aten._reshape_copy.default,
+)
 def view_rule(schema):
     spec = schema.args[0]
     out_shape = tuple(schema.out_meta[0].shape)
@@ -215,14 +233,14 @@ def _dim_arg(schema, pos, default=0):
     return d % max(spec.ndim, 1)
 
 
-@register(aten.slice.Tensor)
+@register(aten.slice.Tensor, aten.slice_copy.Tensor, aten.narrow_copy.default)
 def slice_rule(schema):
     spec = schema.args[0]
     dim = _dim_arg(schema, 1)
     return _simple(schema, {d: d for d in range(spec.ndim)}, gather_dims=(dim,))
 
 
-@register(aten.select.int)
+@register(aten.select.int, aten.select_copy.int)
 def select_rule(schema):
     spec = schema.args[0]
     dim = _dim_arg(schema, 1)
@@ -230,11 +248,115 @@ def select_rule(schema):
     return _simple(schema, m, gather_dims=(dim,))
 
 
-@register(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default)
+def _arg(schema, pos, name, default=None):
+    """Argument ``name`` of the op, given at position ``pos`` or by keyword."""
+    return schema.args[pos] if len(schema.args) > pos else schema.kwargs.get(name, default)
+
+
+@register(aten.diagonal.default, aten.diagonal_copy.default)
+def diagonal_rule(schema):
+    """The output holds the dims other than ``dim1``/``dim2`` in order, then the diagonal:
+    shards of those dims move along; the two dims the diagonal runs through are gathered."""
+    spec = schema.args[0]
+    nd = max(spec.ndim, 1)
+    d1, d2 = _arg(schema, 2, "dim1", 0) % nd, _arg(schema, 3, "dim2", 1) % nd
+    rest = [d for d in range(spec.ndim) if d not in (d1, d2)]
+    return _simple(schema, {d: i for i, d in enumerate(rest)})
+
+
+@register(aten.diag_embed.default)
+def diag_embed_rule(schema):
+    """The inverse layout of ``diagonal``: the input's leading dims become the output's dims
+    other than ``dim1``/``dim2`` (shards move along); its last dim, the diagonal, is
+    gathered. The zeros off the diagonal are zeros of every partial too."""
+    spec = schema.args[0]
+    nd = spec.ndim + 1
+    d1, d2 = _arg(schema, 2, "dim1", -2) % nd, _arg(schema, 3, "dim2", -1) % nd
+    rest = [d for d in range(nd) if d not in (d1, d2)]
+    return _simple(schema, dict(enumerate(rest)))
+
+
+def _with_local_sizes(sharding, func, local_sizes):
+    """``sharding`` whose local op gets ``input_sizes`` (the global shape of the gradient
+    to build) replaced by ``local_sizes(local_grad, global_sizes)``."""
+
+    def local_fn(g, *args, **kwargs):
+        if args:
+            args = (local_sizes(g, list(args[0])), *args[1:])
+        else:
+            kwargs = {**kwargs, "input_sizes": local_sizes(g, list(kwargs["input_sizes"]))}
+        return func(g, *args, **kwargs)
+
+    sharding.local_fn = local_fn
+    return sharding
+
+
+# The backward ops of slicing views scatter the gradient into zeros of the input's shape.
+# A shard of the gradient on a dim the view kept whole is a shard of the result with the
+# same blocks (the dims have equal global sizes), so its local sizes are the gradient's;
+# the sliced dim (and the diagonal) is gathered. Zeros are zeros of every partial, so a
+# ``Partial`` gradient stays partial.
+
+
+@register(aten.slice_backward.default)
+def slice_backward_rule(schema):
+    sizes = list(_arg(schema, 1, "input_sizes"))
+    nd = len(sizes)
+    dim = _arg(schema, 2, "dim") % max(nd, 1)
+    sharding = _simple(schema, {d: d for d in range(nd) if d != dim})
+
+    def local_sizes(g, full):
+        return [full[d] if d == dim else g.shape[d] for d in range(nd)]
+
+    return _with_local_sizes(sharding, schema.func, local_sizes)
+
+
+@register(aten.select_backward.default)
+def select_backward_rule(schema):
+    sizes = list(_arg(schema, 1, "input_sizes"))
+    nd = len(sizes)
+    dim = _arg(schema, 2, "dim") % max(nd, 1)
+    sharding = _simple(schema, {d: d + (d >= dim) for d in range(nd - 1)})
+
+    def local_sizes(g, full):
+        return [*g.shape[:dim], full[dim], *g.shape[dim:]]
+
+    return _with_local_sizes(sharding, schema.func, local_sizes)
+
+
+@register(aten.diagonal_backward.default)
+def diagonal_backward_rule(schema):
+    sizes = list(_arg(schema, 1, "input_sizes"))
+    nd = max(len(sizes), 1)
+    d1, d2 = _arg(schema, 3, "dim1") % nd, _arg(schema, 4, "dim2") % nd
+    rest = [d for d in range(len(sizes)) if d not in (d1, d2)]
+    sharding = _simple(schema, dict(enumerate(rest)))
+
+    def local_sizes(g, full):
+        for i, d in enumerate(rest):
+            full[d] = g.shape[i]
+        return full
+
+    return _with_local_sizes(sharding, schema.func, local_sizes)
+
+
+@register(
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.unbind.int,
+    aten.chunk.default,
+    aten.split_copy.Tensor,
+    aten.split_with_sizes_copy.default,
+    aten.unbind_copy.int,
+    aten.unsafe_split.Tensor,
+    aten.unsafe_split_with_sizes.default,
+    aten.unsafe_chunk.default,
+)
 def split_rule(schema):
     spec = schema.args[0]
-    dim = _dim_arg(schema, 2 if schema.func is not aten.unbind.int else 1)
-    if schema.func is aten.unbind.int:
+    unbind = schema.name in ("unbind", "unbind_copy")
+    dim = _dim_arg(schema, 1 if unbind else 2)
+    if unbind:
         m = {d: d - (d > dim) for d in range(spec.ndim) if d != dim}
     else:
         m = {d: d for d in range(spec.ndim)}
@@ -243,17 +365,20 @@ def split_rule(schema):
 
 @register(
     aten.alias.default,
+    aten.alias_copy.default,
     aten.detach.default,
+    aten.detach_copy.default,
     aten.clone.default,
     aten._to_copy.default,
     aten.lift_fresh.default,
+    aten.lift_fresh_copy.default,
 )
 def identity_rule(schema):
     spec = schema.args[0]
     return OutputSharding([spec.placements], {})
 
 
-@register(aten.view_as_complex.default)
+@register(aten.view_as_complex.default, aten.view_as_complex_copy.default)
 def view_as_complex_rule(schema):
     """``(..., 2)`` real -> ``(...)`` complex (rotary embeddings): shards of the leading dims
     carry over; the last dim, real and imaginary parts, must be whole."""
@@ -262,7 +387,7 @@ def view_as_complex_rule(schema):
     return _simple(schema, {d: d for d in range(last)}, gather_dims=(last,))
 
 
-@register(aten.view_as_real.default)
+@register(aten.view_as_real.default, aten.view_as_real_copy.default)
 def view_as_real_rule(schema):
     """``(...)`` complex -> ``(..., 2)`` real: every shard carries over."""
     spec = schema.args[0]

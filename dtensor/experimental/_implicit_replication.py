@@ -24,8 +24,10 @@ def implicit_replication() -> Iterator[None]:
     between ranks silently gives wrong results. The flag is per thread; on exit it returns
     to what it was on entry, so nested blocks compose. It does not apply to ``_foreach_``
     ops (their list positions may live on different meshes). Autograd saves the plain
-    tensor as it is, so run the backward of ops recorded inside the block inside it too.
-    Also usable as a decorator.
+    tensor as it is, so run the backward of ops recorded inside the block inside it too (on
+    CPU autograd runs on the calling thread and sees the flag; a CUDA backward runs on a
+    device thread that does not, as with PyTorch's thread-local flag). Also usable as a
+    decorator.
 
     Example:
         >>> dx = distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)])
