@@ -89,7 +89,7 @@ def op_name(op) -> str:
 
 def samples(op, n: int = SAMPLES_PER_OP) -> list:
     """The first ``n`` samples of ``op`` (float32, CPU, requiring grad where it has autograd)."""
-    torch.manual_seed(0)
+    torch.default_generator.manual_seed(0)
     kwargs = {}
     if op.name.startswith("_foreach_"):
         kwargs["num_input_tensors"] = [3]
@@ -264,7 +264,7 @@ def _shardable(x) -> bool:
 def _call(op, leaves, spec):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.manual_seed(1)
+        torch.default_generator.manual_seed(1)
         args, kwargs = tree_unflatten(leaves, spec)
         return op(*args, **kwargs)
 
@@ -332,19 +332,29 @@ def _first_line(e: BaseException) -> str:
 # --------------------------------------------------------------------------- ranks agree
 
 
-def agree(outcome: str, detail: str) -> tuple[str, str]:
-    """Every rank's outcome, merged: the worst, with a note when ranks differed."""
-    word = torch.tensor([ORDER[outcome] if outcome != "skip" else -1], dtype=torch.int64)
+def agree(outcomes: dict) -> dict:
+    """Every rank's outcomes (``{direction: (outcome, detail)}``), merged by one all-gather:
+    per direction the worst, with a note when ranks differed."""
+    keys = sorted(outcomes)
+    word = torch.tensor(
+        [ORDER[outcomes[k][0]] if outcomes[k][0] != "skip" else -1 for k in keys],
+        dtype=torch.int64,
+    )
     words = [torch.zeros_like(word) for _ in range(dist.get_world_size())]
     dist.all_gather(words, word)
-    vals = [int(w) for w in words]
-    if len(set(vals)) == 1:
-        return outcome, detail
-    worst = max(vals)
-    name = {v: k for k, v in ORDER.items() if k != "skip"}.get(worst, "skip")
-    return (
-        "error" if name == "pass" else name
-    ), f"ranks differ ({vals}); this rank: {outcome} {detail}"
+    merged = {}
+    for j, k in enumerate(keys):
+        outcome, detail = outcomes[k]
+        vals = [int(w[j]) for w in words]
+        if len(set(vals)) == 1:
+            merged[k] = (outcome, detail)
+            continue
+        name = {v: n for n, v in ORDER.items() if n != "skip"}.get(max(vals), "skip")
+        merged[k] = (
+            "error" if name == "pass" else name,
+            f"ranks differ ({vals}); this rank: {outcome} {detail}",
+        )
+    return merged
 
 
 def run_ops(
@@ -385,9 +395,8 @@ def run_ops(
             mesh = meshes[layout]
             worst = {}
             for sample in cases:
-                got = run_case(lib, mesh, layout, op, sample, backward=backward)
+                got = agree(run_case(lib, mesh, layout, op, sample, backward=backward))
                 for direction, outcome in got.items():
-                    outcome = agree(*outcome)
                     old = worst.get(direction)
                     if (
                         old is None
