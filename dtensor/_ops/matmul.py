@@ -198,7 +198,6 @@ def addr_options(schema: OpSchema) -> list:
 
 
 # --------------------------------------------------------------------------- _foreach_mm
-@register(aten._foreach_mm.default)
 def foreach_mm_rule(schema: OpSchema) -> OutputSharding:
     """``_foreach_mm(as, bs)``: the ``mm`` rule at each list position (positions may sit on
     different meshes). The pointwise ``_foreach_`` rule would keep both operands' shards,
@@ -221,3 +220,8 @@ def foreach_mm_rule(schema: OpSchema) -> OutputSharding:
         outs.append(out)
         meshes.append(a.mesh)
     return OutputSharding(outs, inputs, output_meshes=meshes)
+
+
+# aten._foreach_mm arrived after PyTorch 2.11 (which we support): register where it exists.
+if hasattr(aten, "_foreach_mm"):
+    register(aten._foreach_mm.default)(foreach_mm_rule)
