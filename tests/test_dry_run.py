@@ -50,9 +50,7 @@ def _check_against_planner(cfg: GPTConfig, plan: PlanConfig, *, rank: int = 0) -
     predicted = {g.name: g.shard_numel for g in group_layouts(profile, plan)}
     assert report.shard_numel == predicted
     expected = collectives(profile, plan)
-    # tensor parallelism's are modelled without activation checkpointing only
-    modelled_tp = plan.tp > 1 and not plan.activation_checkpointing
-    dims = {k[1] for k in expected} | ({"tp"} if modelled_tp else set())
+    dims = {k[1] for k in expected} | ({"tp"} if plan.tp > 1 else set())
     seen = {k: (report.counts[k], report.bytes[k]) for k in report.counts if k[1] in dims}
     assert seen == expected
     return report

@@ -5,9 +5,11 @@
     python -m fsdp2.plan --model gpt --params 7e9 --world-size 64 --tp 8 --ac   # one layout
 
 Prints the layouts that fit, fastest first (predicted step time), with each one's peak
-memory by category, and a breakdown of the best one. Assumptions (H100 SXM, NVLink 450 GB/s,
-InfiniBand 50 GB/s per GPU, 40% MFU) are options. docs/tools.md ("Memory planner") says what
-the model counts and how it was validated.
+memory by category, and a breakdown of the best one; when none fits, what would (``_advice``).
+Weights, gradients and optimizer state are planned in the master dtype (``--master-dtype``,
+fp32 by default, whatever a config's ``torch_dtype`` says), compute in ``--dtype``.
+Assumptions (H100 SXM, NVLink 450 GB/s, InfiniBand 50 GB/s per GPU, 40% MFU) are options.
+docs/tools.md ("Memory planner") says what the model counts and how it was validated.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fsdp2.plan import build_model
+from fsdp2.plan._advice import nothing_fits_advice
 from fsdp2.tools.planner import (
     CATEGORIES,
     CPU,
@@ -31,7 +34,18 @@ from fsdp2.tools.planner import (
     rank_configs,
 )
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_MASTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_DECIMAL = {"KB": 3, "MB": 6, "GB": 9, "TB": 12}
+_STATE = {"adamw": "AdamW state", "sgd": "SGD momentum", "sgd-nomomentum": ""}
+_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+#: What the peak is, and what the allocator holds above it (measured; docs/tools.md).
+LIVE_BYTES_NOTE = (
+    "peak = live tensor bytes (what fsdp2.tools.MemoryTracker and "
+    "torch.cuda.max_memory_allocated count); the allocator holds more: reserved / allocated "
+    "was 1.11-1.34 on an H200 (eager, AC, offload, compiled), and on CPU the resident set "
+    "9-22% above the live bytes plus about 315 MiB of runtime"
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -42,12 +56,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", choices=("gpt", "llama"), default="gpt",
                    help="with --params: examples/gpt.py's GPT or transformers' Llama")  # fmt: skip
     p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--gpu-memory", default=None, help="per-rank budget, e.g. 80GB, 24GiB")
+    p.add_argument("--gpu-memory", default=None,
+                   help="per-rank budget: 79.6GiB (binary) or 80GB (decimal: 80e9 bytes)")  # fmt: skip
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per step (default: one per data-parallel rank of tp=1)")  # fmt: skip
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16",
-                   help="param_dtype of the mixed-precision policy (reduce in fp32)")  # fmt: skip
+                   help="compute dtype: the mixed-precision policy's param_dtype (reduce in fp32)")  # fmt: skip
+    p.add_argument("--master-dtype", choices=sorted(_MASTER_DTYPES), default="fp32",
+                   help="dtype of the weights at rest, their gradients and the optimizer state "
+                        "(default fp32; a config's torch_dtype is ignored)")  # fmt: skip
     p.add_argument("--optimizer", choices=("adamw", "sgd", "sgd-nomomentum"), default="adamw")
     p.add_argument("--offload", action="store_true", help="CPUOffloadPolicy")
     p.add_argument("--hardware", choices=("h100", "cpu"), default="h100")
@@ -95,13 +113,77 @@ def _moments(phases: dict) -> dict:
     return out
 
 
+def precision(args) -> tuple[torch.dtype, torch.dtype | None, torch.dtype | None]:
+    """``(master, param_dtype, reduce_dtype)`` of the options: the parameters' dtype at rest
+    and the ``MixedPrecisionPolicy`` dtypes (None: the parameters' own). Reductions run in
+    fp32 unless everything is fp32 already.
+
+    Example:
+        >>> precision(parse_args(["--params", "7e9", "--world-size", "8"]))
+        (torch.float32, torch.bfloat16, torch.float32)
+    """
+    master = _MASTER_DTYPES[args.master_dtype]
+    compute = _DTYPES[args.dtype]
+    param_dtype = None if compute == master else compute
+    reduce_dtype = None if compute == master == torch.float32 else torch.float32
+    return master, param_dtype, reduce_dtype
+
+
+def precision_line(args) -> str:
+    """The header's line on dtypes, e.g. ``"weights and AdamW state fp32 (master), compute
+    bf16, reduce fp32"``.
+
+    Example:
+        >>> precision_line(parse_args(["--params", "7e9", "--world-size", "8"]))
+        'weights and AdamW state fp32 (master), compute bf16, reduce fp32'
+    """
+    master, param_dtype, reduce_dtype = precision(args)
+    state = _STATE[args.optimizer]
+    what = f"weights and {state}" if state else f"weights ({args.optimizer}: no state)"
+    compute = param_dtype or master
+    return (
+        f"{what} {_NAMES[master]} (master), compute {_NAMES[compute]}, "
+        f"reduce {_NAMES[reduce_dtype or compute]}"
+    )
+
+
+def budget_line(text: str | None, budget: int | None, hw) -> str:
+    """How the budget was read: GiB, and for a decimal unit (``80GB`` is ``80e9`` bytes,
+    74.5 GiB) a note on what a GPU sold as "80GB" has.
+
+    Example:
+        >>> budget_line("80GB", parse_bytes("80GB"), H100)
+        "budget 74.5 GiB a rank (80GB read as 80e9 bytes; an '80GB' H100 has 79.6 GiB: --gpu-memory 79.6GiB)"
+        >>> budget_line("79.6GiB", parse_bytes("79.6GiB"), H100)
+        'budget 79.6 GiB a rank'
+    """
+    if budget is None:
+        return "no budget"
+    line = f"budget {_gib(budget)} GiB a rank"
+    if text is None:
+        return f"{line} (the {hw.name.split(' (')[0]} preset: {budget / 2**20:,.0f} MiB)"
+    s = str(text).strip().upper().replace(" ", "")
+    unit = s.lstrip("0123456789.")
+    if unit not in _DECIMAL:
+        return line
+    number = s[: -len(unit)]
+    note = f"{text.strip()} read as {number}e{_DECIMAL[unit]} bytes"
+    if hw.memory and hw.device != "cpu" and budget == 80 * 10**9:  # the H100's nominal size
+        real = _gib(hw.memory)
+        note += f"; an '80GB' {hw.name.split(' ')[0]} has {real} GiB: --gpu-memory {real}GiB"
+    else:
+        binary = f"{number}{unit[0]}iB"
+        note += f"; {binary} would be --gpu-memory {binary}"
+    return f"{line} ({note})"
+
+
 def _rank(args, profile, hw, budget):
     """``(fits, too_big)`` of ``rank_configs`` over the layouts the options allow."""
-    dtype = _DTYPES[args.dtype]
+    _master, param_dtype, reduce_dtype = precision(args)
     base = PlanConfig(
         world_size=args.world_size,
-        param_dtype=dtype,
-        reduce_dtype=torch.float32 if dtype is not None else None,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
         optimizer=args.optimizer,
         offload=args.offload,
     )
@@ -120,13 +202,18 @@ def _rank(args, profile, hw, budget):
 
 
 def _print_header(console, label: str, args, hw, budget) -> None:
-    """The model, the training options and the hardware assumed."""
-    console.print(f"[bold]{label}[/bold]; seq {args.seq_len}, {args.dtype}, {args.optimizer}")
+    """The model, the dtypes, the budget, the hardware assumed and what the peak counts."""
+    console.print(f"[bold]{label}[/bold]; seq {args.seq_len}, {args.optimizer}", markup=True)
+    console.print(precision_line(args) + ("; CPU offload" if args.offload else ""))
     console.print(
-        f"{args.world_size} ranks, budget {_gib(budget) if budget else '-'} GiB a rank; "
+        f"{args.world_size} ranks, {budget_line(args.gpu_memory, budget, hw)}",
+        markup=False,
+    )
+    console.print(
         f"{hw.name}, {hw.flops / 1e12:.0f} TFLOP/s at {hw.efficiency:.0%} MFU, "
         f"{hw.devices_per_node} devices a node"
     )
+    console.print(LIVE_BYTES_NOTE, style="dim", markup=False)
 
 
 def _layouts_table(fits, too_big, top: int) -> Table:
@@ -183,7 +270,11 @@ def main(argv=None) -> int:
     try:
         budget = parse_bytes(args.gpu_memory) if args.gpu_memory else None
         model, tp_plan, label = build_model(
-            args.model, params=args.params, hf_config=args.hf_config, seq_len=args.seq_len
+            args.model,
+            params=args.params,
+            hf_config=args.hf_config,
+            seq_len=args.seq_len,
+            dtype=_MASTER_DTYPES[args.master_dtype],
         )
     except (ValueError, ImportError, OSError) as e:
         console.print(f"[red]error:[/red] {e}")
@@ -198,11 +289,10 @@ def main(argv=None) -> int:
         return 1
     console.print(_layouts_table(fits, too_big, args.top))
     if not fits:
-        best = too_big[0]
-        console.print(
-            f"[red]nothing fits[/red]: the smallest peak is {_gib(best.peak_bytes)} GiB "
-            f"({best.config.describe()}); add ranks, activation checkpointing or offload."
-        )
+        console.print("[red]nothing fits[/red]")
+        if budget is not None:
+            for line in nothing_fits_advice(profile, too_big[0], budget, hw):
+                console.print(f"  - {line}", markup=False, highlight=False)
         return 1
     console.print(_breakdown_table(fits[0]))
     console.print(_collectives_table(fits[0]))

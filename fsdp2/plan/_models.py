@@ -107,26 +107,42 @@ def tp_plan_for(model: nn.Module) -> dict | None:
 
 
 def build_model(
-    kind: str, *, params: float | None = None, hf_config: str | None = None, seq_len: int = 2048
+    kind: str,
+    *,
+    params: float | None = None,
+    hf_config: str | None = None,
+    seq_len: int = 2048,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[nn.Module, dict | None, str]:
     """``(model on meta, tp plan, label)`` for ``--model gpt|llama --params N`` or
     ``--hf-config PATH`` (a Hugging Face ``config.json`` or its folder, built with
     ``AutoModelForCausalLM.from_config`` under ``torch.device("meta")``).
 
+    The parameters are in ``dtype``, the master dtype the weights (and so their gradients
+    and optimizer state) are kept in between steps: fp32 by default, as with a
+    ``MixedPrecisionPolicy`` that computes in bf16. A config's ``torch_dtype`` (bf16 in
+    published checkpoints) is the dtype its weights were saved in, not the training one,
+    and is ignored.
+
     Raises:
-        ValueError: an unknown kind, or neither a size nor a config.
+        ValueError: an unknown kind, neither a size nor a config, or a non-float dtype.
 
     Example:
         >>> model, plan, label = build_model("llama", params=7e9)
-        >>> label.startswith("Llama")
-        True
+        >>> label.startswith("Llama"), next(model.parameters()).dtype
+        (True, torch.float32)
+        >>> model, _, _ = build_model("gpt", params=1e8, dtype=torch.bfloat16)
+        >>> next(model.parameters()).dtype
+        torch.bfloat16
     """
+    if not dtype.is_floating_point:
+        raise ValueError(f"fsdp2.plan: the master dtype must be a float dtype, got {dtype}.")
     if hf_config is not None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         cfg = AutoConfig.from_pretrained(hf_config)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
         label = f"{type(model).__name__} from {hf_config}"
     elif params is None:
         raise ValueError("fsdp2.plan: give --params N (with --model) or --hf-config PATH.")
@@ -135,7 +151,7 @@ def build_model(
 
         cfg = gpt_config_for(params, seq_len=seq_len)
         with torch.device("meta"):
-            model = GPT(cfg)
+            model = GPT(cfg).to(dtype)
         label = (
             f"GPT (examples/gpt.py) dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads, "
             f"vocab {cfg.vocab_size}"
@@ -145,7 +161,7 @@ def build_model(
 
         cfg = llama_config_for(params, seq_len=max(seq_len, 4096))
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
         label = (
             f"Llama (transformers) dim {cfg.hidden_size}, {cfg.num_hidden_layers} layers, "
             f"ffn {cfg.intermediate_size}"

@@ -59,12 +59,34 @@ class TransformerTP:
     ``bias=False`` drops the row-parallel biases' all-reduces; ``regather_in_backward=False``
     (PyTorch's styles) keeps the gathered inputs instead of gathering them again.
 
-    ``activation_checkpointing`` (each block checkpointed, as ``parallelize_transformer``
-    does): the recomputation in backward runs the block up to the last tensor checkpointing
-    saved itself - the second norm's input - so attention's input all-gather and its output
-    reduce-scatter run once more per block. The tensors saved inside the attention and MLP
-    modules are held by the regather hooks, not by checkpointing, so the MLP is not
-    recomputed (measured; only modelled with ``regather_in_backward=True``).
+    Activation checkpointing (``torch.distributed._composable.checkpoint`` on a block, as
+    ``parallelize_transformer(activation_checkpointing=True)`` puts on each): in backward
+    the block's forward runs again, and with PyTorch's default early stop
+    (``torch.utils.checkpoint.set_checkpoint_early_stop``) it stops once it has rebuilt the
+    last tensor checkpointing saved. Per checkpointed block, measured on the fake process
+    group and on 2 gloo ranks (``tests/test_comm_model_tp_ac.py``):
+
+    ================================  =========================================================
+    early stop                        re-issued in backward by the recomputation
+    ================================  =========================================================
+    on (PyTorch's default)            attention's input all-gather ``S``, its output
+                                      reduce-scatter ``F`` and the MLP's input all-gather
+                                      ``S``: the recomputation stops at the tensors the MLP's
+                                      output linear saves, before its reduce-scatter
+    ``checkpoint_early_stop=False``   the whole block: both all-gathers ``S``, both
+                                      reduce-scatters ``F``
+    ================================  =========================================================
+
+    The same with either ``regather_in_backward``: the regather hooks hand checkpointing
+    every tensor saved in attention and the MLP but the gathered inputs, and those inputs'
+    shards too ([Note: regather under outer hooks] in ``dtensor/parallel/_regather.py``):
+    the recomputation rebuilds the shards, and the backward's re-gathers (in the table
+    above) all-gather them again. A checkpointed block then keeps only its input from
+    forward to backward, as without tensor parallelism.
+
+    No all-reduce is re-issued (the norms' and biases' gradients are reduced once).
+    ``activation_checkpointing=True`` checkpoints every block; ``checkpointed_blocks`` (block
+    indices) names the checkpointed ones and, when given, decides alone.
 
     PyTorch's styles on the same plan send, per step, ``2 * n_layers + 1`` fewer all-gathers
     (no re-gather) and ``2 * n_layers`` fewer all-reduces: PyTorch adds a row-parallel
@@ -93,17 +115,35 @@ class TransformerTP:
     position_embedding: bool = True
     regather_in_backward: bool = True
     activation_checkpointing: bool = False
+    checkpointed_blocks: tuple[int, ...] | None = None
+    checkpoint_early_stop: bool = True
 
     def __post_init__(self) -> None:
-        if self.activation_checkpointing and not self.regather_in_backward:
-            raise NotImplementedError(
-                "TransformerTP: activation_checkpointing is modelled with "
-                "regather_in_backward=True only (the styles' default)."
-            )
         for name in ("n_layers", "batch", "seq", "dim", "vocab", "tp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < (1 if name != "n_layers" else 0):
                 raise ValueError(f"TransformerTP: {name} must be a positive int, got {value!r}.")
+        if self.checkpointed_blocks is not None:
+            blocks = tuple(self.checkpointed_blocks)
+            if any(type(i) is not int or not 0 <= i < self.n_layers for i in blocks):
+                raise ValueError(
+                    f"TransformerTP: checkpointed_blocks must be block indices in "
+                    f"[0, {self.n_layers}), got {self.checkpointed_blocks!r}."
+                )
+            object.__setattr__(self, "checkpointed_blocks", tuple(sorted(set(blocks))))
+
+    @property
+    def checkpointed(self) -> frozenset[int]:
+        """Indices of the checkpointed blocks: ``checkpointed_blocks`` when given, else
+        every block under ``activation_checkpointing``, else none.
+
+        Example:
+            >>> TransformerTP(3, 1, 8, 16, 50, 2, activation_checkpointing=True).checkpointed
+            frozenset({0, 1, 2})
+        """
+        if self.checkpointed_blocks is not None:
+            return frozenset(self.checkpointed_blocks)
+        return frozenset(range(self.n_layers) if self.activation_checkpointing else ())
 
     def comms(self) -> list[ExpectedCollective]:
         """The step's tensor-parallel collectives (forward, then backward)."""
@@ -140,10 +180,10 @@ class TransformerTP:
         if self.position_embedding:
             c("reduce_scatter", t * d * item, "forward", "pos_emb")
             c("all_gather", _ceil_div(t, k) * d * item, "backward", "pos_emb")
+        checkpointed = self.checkpointed
         for i in range(self.n_layers):
-            if self.activation_checkpointing:  # recomputed up to the second norm's input
-                c("all_gather", shard, "backward", f"blocks.{i}.attn (recomputed)")
-                c("reduce_scatter", full, "backward", f"blocks.{i}.attn.proj (recomputed)")
+            if i in checkpointed:
+                self._recomputed(i, c, shard, full)
             for part in ("attn", "mlp"):
                 norm(f"blocks.{i}.{'ln1' if part == 'attn' else 'ln2'}")
                 gathered_input(f"blocks.{i}.{part}")
@@ -158,6 +198,15 @@ class TransformerTP:
         else:
             c("all_gather", b * t * _ceil_div(self.vocab, k) * item, "forward", "head")
         return fwd + bwd
+
+    def _recomputed(self, i: int, c, shard: int, full: int) -> None:
+        """The collectives block ``i``'s recomputation re-issues in backward (see the
+        class docstring's table)."""
+        c("all_gather", shard, "backward", f"blocks.{i}.attn (recomputed)")
+        c("reduce_scatter", full, "backward", f"blocks.{i}.attn.proj (recomputed)")
+        c("all_gather", shard, "backward", f"blocks.{i}.mlp (recomputed)")
+        if not self.checkpoint_early_stop:
+            c("reduce_scatter", full, "backward", f"blocks.{i}.mlp.out (recomputed)")
 
     def by_mesh_dim(self) -> dict[tuple[str, str | int | None], tuple[int, int]]:
         """``{(kind, mesh_dim): (count, bytes)}`` of ``comms()``."""

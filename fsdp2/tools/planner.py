@@ -76,7 +76,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtensor.placement import chunk_sizes, padded_chunk_size
+from dtensor.placement import padded_chunk_size
 from fsdp2.tools.memory import CATEGORIES as _TRACKER_CATEGORIES
 
 logger = logging.getLogger(__name__)
@@ -98,6 +98,8 @@ __all__ = [
     "transformer_tp",
     "step_cost",
     "parse_bytes",
+    "peak_bytes",
+    "speed_then_memory",
 ]
 
 GiB = 1 << 30
@@ -119,6 +121,15 @@ class Hardware:
         memory: bytes of one device (the default budget), or None.
         device: ``"cuda"`` or ``"cpu"``: which collective routes and how many reductions
             in flight the memory model assumes.
+        dtype_speed: ``((dtype name, speed), ...)``: compute dtypes that run at ``speed``
+            times ``flops`` (the others at ``flops``).
+        host_bw: bytes/s between the host and one device (CPU offload's copies).
+        host_optimizer: parameters/s the optimizer step updates on the host under offload.
+        overlap: whether FSDP's collectives overlap compute (separate streams and copy
+            engines on GPUs); on a CPU the same cores do both, so they add up.
+        allocator_factor: what the allocator holds at the peak over the live tensor bytes
+            the model predicts (the CUDA caching allocator's reserved bytes; on CPU the
+            resident set above the process's baseline), measured.
 
     Example:
         >>> H100.flops / 1e12, H100.devices_per_node
@@ -135,15 +146,58 @@ class Hardware:
     devices_per_node: int
     memory: int | None = None
     device: str = "cuda"
+    dtype_speed: tuple = ()
+    host_bw: float = 25e9
+    host_optimizer: float = 1e9
+    overlap: bool = True
+    allocator_factor: float = 1.0
+
+    def speed(self, dtype: torch.dtype) -> float:
+        """How fast a step computing in ``dtype`` runs, relative to ``flops``.
+
+        Example:
+            >>> H100.speed(torch.float32), H100.speed(torch.bfloat16)
+            (0.5, 1.0)
+        """
+        name = _DTYPE_NAMES.get(dtype, str(dtype))
+        return dict(self.dtype_speed).get(name, 1.0)
 
 
-#: H100 SXM: 989 TFLOP/s dense bf16 at 40% MFU, NVLink 4 (450 GB/s each way), one 400 Gb/s
-#: InfiniBand NIC per GPU (50 GB/s), 8 GPUs a node, 80 GB.
-H100 = Hardware("H100 SXM (NVLink 450 GB/s, IB 50 GB/s)", 989e12, 0.4, 450e9, 50e9, 8, 80 * 10**9)
+#: H100 SXM: 989 TFLOP/s dense bf16 at 40% MFU (fp32 as TF32, half of it), NVLink 4
+#: (450 GB/s each way), one 400 Gb/s InfiniBand NIC per GPU (50 GB/s), 8 GPUs a node,
+#: 81,559 MiB. Under CPU offload: 25 GB/s over PCIe and the host's AdamW at about 1e9
+#: parameters/s, and the caching allocator reserving up to 1.35x the live bytes (both seen
+#: on an H200 by benchmarks/gpu_check.py: 0.70B parameters, offload 1.04 s a step against
+#: 0.13 s; reserved / allocated 1.11-1.34).
+H100 = Hardware(
+    "H100 SXM (NVLink 450 GB/s, IB 50 GB/s)",
+    989e12,
+    0.4,
+    450e9,
+    50e9,
+    8,
+    81559 << 20,
+    dtype_speed=(("fp32", 0.5),),
+    allocator_factor=1.35,
+)
 #: This kind of machine: gloo over loopback on a couple of shared cores (about 20 GFLOP/s a
 #: rank in fp32 and 2 GB/s between processes, measured by benchmarks/train_bench.py's step
-#: times; rough: the machine is shared).
-CPU = Hardware("CPU (gloo, loopback)", 20e9, 1.0, 2e9, 2e9, 64, None, device="cpu")
+#: times; rough: the machine is shared). A GPT step in bf16 ran 1.6x faster than in fp32
+#: here (one thread; fp16 matmuls 35x slower); the resident set grows up to 1.25x the live
+#: tensor bytes (glibc's arenas).
+CPU = Hardware(
+    "CPU (gloo, loopback)",
+    20e9,
+    1.0,
+    2e9,
+    2e9,
+    64,
+    None,
+    device="cpu",
+    dtype_speed=(("bf16", 1.6), ("fp16", 0.03)),
+    overlap=False,
+    allocator_factor=1.25,
+)
 
 
 # --------------------------------------------------------------------------------- config
@@ -163,7 +217,13 @@ class PlanConfig:
             block; 0: a single call on the root, no per-block wrapping).
         reshard_after_forward: the blocks' ``reshard_after_forward`` (the root keeps its
             parameters, as ``fully_shard``'s default ``None`` does).
-        activation_checkpointing: checkpoint every block.
+        activation_checkpointing: checkpoint every block (see ``checkpointed_blocks``).
+        checkpointed_blocks: the indices of the blocks to checkpoint, when only some are
+            (None: all of them with ``activation_checkpointing``, else none).
+        keep_last_groups: the last this many block groups keep their gathered parameters
+            from forward to backward (``reshard_after_forward=False`` for them, True for the
+            others); the last group's backward starts right after forward, so keeping it
+            saves one all-gather for one group's unsharded bytes.
         param_dtype / reduce_dtype: ``MixedPrecisionPolicy``'s (None: the parameters').
         offload: ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer state on
             the host (not counted on the device; a CPU compute device ignores it).
@@ -188,6 +248,8 @@ class PlanConfig:
     offload: bool = False
     optimizer: str = "adamw"
     batch_size: int = 1
+    checkpointed_blocks: tuple[int, ...] | None = None
+    keep_last_groups: int = 0
 
     def __post_init__(self) -> None:
         for name in ("world_size", "tp", "dp_replicate", "batch_size"):
@@ -203,6 +265,19 @@ class PlanConfig:
             raise ValueError(
                 f"PlanConfig: blocks_per_group must be >= 0, got {self.blocks_per_group}."
             )
+        if not isinstance(self.keep_last_groups, int) or self.keep_last_groups < 0:
+            raise ValueError(
+                f"PlanConfig: keep_last_groups must be an int >= 0, got {self.keep_last_groups!r}."
+            )
+        if self.checkpointed_blocks is not None:
+            blocks = self.checkpointed_blocks
+            if not isinstance(blocks, tuple) or any(
+                not isinstance(b, int) or b < 0 for b in blocks
+            ):
+                raise ValueError(
+                    "PlanConfig: checkpointed_blocks must be a tuple of block indices >= 0, "
+                    f"got {blocks!r}."
+                )
         if self.optimizer not in _OPTIMIZER_STATES:
             raise ValueError(
                 f"PlanConfig: optimizer must be one of {sorted(_OPTIMIZER_STATES)}, got "
@@ -218,6 +293,28 @@ class PlanConfig:
     def dp(self) -> int:
         """Data-parallel ranks (replicas times shards)."""
         return self.world_size // self.tp
+
+    def checkpointed(self, n_blocks: int) -> frozenset[int]:
+        """The indices of the checkpointed blocks among ``n_blocks``.
+
+        Example:
+            >>> PlanConfig(world_size=8, checkpointed_blocks=(0, 1)).checkpointed(4)
+            frozenset({0, 1})
+        """
+        if self.checkpointed_blocks is not None:
+            return frozenset(b for b in self.checkpointed_blocks if b < n_blocks)
+        return frozenset(range(n_blocks)) if self.activation_checkpointing else frozenset()
+
+    def reshards(self, group: int, n_groups: int) -> bool:
+        """``reshard_after_forward`` of block group ``group`` of ``n_groups`` (the root's is
+        False, as ``fully_shard``'s default resolves it).
+
+        Example:
+            >>> cfg = PlanConfig(world_size=8, keep_last_groups=1)
+            >>> [cfg.reshards(j, 3) for j in range(3)]
+            [True, True, False]
+        """
+        return self.reshard_after_forward and group < n_groups - self.keep_last_groups
 
     def describe(self) -> str:
         """A short label, e.g. ``"hsdp 2x4 tp8 ac bf16"``.
@@ -239,7 +336,12 @@ class PlanConfig:
             )
         if not self.reshard_after_forward:
             parts.append("keep-fwd")
-        if self.activation_checkpointing:
+        elif self.keep_last_groups:
+            parts.append(f"keep-last{self.keep_last_groups}")
+        if self.checkpointed_blocks is not None:
+            if self.checkpointed_blocks:
+                parts.append(f"ac{len(self.checkpointed_blocks)}blk")
+        elif self.activation_checkpointing:
             parts.append("ac")
         if self.param_dtype is not None:
             parts.append(_DTYPE_NAMES.get(self.param_dtype, str(self.param_dtype)))
@@ -298,6 +400,7 @@ class ModelProfile:
     blocks: list = field(repr=False)
     forward_fn: object = field(repr=False, default=None)
     tp_plan: dict | None = field(repr=False, default=None)
+    cache: dict = field(repr=False, default_factory=dict)  # layouts and collectives, by key
 
     @property
     def num_params(self) -> int:
@@ -514,22 +617,14 @@ def _vocab_size(model) -> int:
 
 @contextlib.contextmanager
 def _flash_attention():
-    """Trace ``F.scaled_dot_product_attention`` as the fused kernels save it (on meta the
-    math path would save the ``t x t`` attention matrix, which no real run keeps)."""
-    original = F.scaled_dot_product_attention
+    """Trace ``F.scaled_dot_product_attention`` of meta tensors as the fused kernels save
+    it, for every call (grouped-query, masked, causal): query, key, value, output and an
+    fp32 log-sum-exp, never the ``t x t`` matrix the math path would save
+    (``fsdp2/tools/_meta_attention.py``). Calls on real tensors are unchanged."""
+    from fsdp2.tools._meta_attention import fused_attention_on_meta
 
-    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
-        if q.device.type != "meta" or attn_mask is not None or kw.get("enable_gqa"):
-            return original(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, **kw)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, dropout_p, is_causal, scale=scale
-        )[0]
-
-    F.scaled_dot_product_attention = sdpa
-    try:
+    with fused_attention_on_meta():
         yield
-    finally:
-        F.scaled_dot_product_attention = original
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -692,6 +787,15 @@ class GroupLayout:
     unsharded_numel: int  # padded elements of the gathered parameters (shard_size * row)
     largest_shard_numel: int
     itemsize: int  # of the parameters at rest
+    blocks: tuple[int, ...] = ()  # the transformer blocks in the group (none: the root)
+    trained_shard_numel: int = 0  # of those, the parameters that train (have gradients)
+    trained_row_numel: int = 0
+    n_trained: int = 0
+
+
+def _first_chunk(size: int, n: int) -> int:
+    """Rank 0's share of a dim of ``size`` split ``torch.chunk``-style into ``n``."""
+    return min(padded_chunk_size(size, n), size)
 
 
 def group_layouts(profile: ModelProfile, cfg: PlanConfig) -> list[GroupLayout]:
@@ -703,8 +807,17 @@ def group_layouts(profile: ModelProfile, cfg: PlanConfig) -> list[GroupLayout]:
         >>> [g.name for g in group_layouts(profile, PlanConfig(world_size=8))][:2]
         ['root', 'blocks[0]']
     """
+    key = ("groups", cfg.tp, cfg.dp_shard, cfg.blocks_per_group)
+    cached = profile.cache.get(key)
+    if cached is None:
+        cached = profile.cache[key] = _group_layouts(profile, cfg)
+    return cached
+
+
+def _group_layouts(profile: ModelProfile, cfg: PlanConfig) -> list[GroupLayout]:
     k = cfg.blocks_per_group
     members: dict[str, list[ParamInfo]] = {"root": []}
+    spans: dict[str, tuple[int, ...]] = {"root": ()}
     for p in profile.params:
         if p.block is None or k == 0:
             members["root"].append(p)
@@ -713,21 +826,26 @@ def group_layouts(profile: ModelProfile, cfg: PlanConfig) -> list[GroupLayout]:
             hi = min(lo + k, profile.n_blocks) - 1
             name = f"blocks[{lo}]" if hi == lo else f"blocks[{lo}-{hi}]"
             members.setdefault(name, []).append(p)
+            spans[name] = tuple(range(lo, hi + 1))
     out = []
     for name, params in members.items():
         if not params:
             continue
-        shard = row = largest = 0
+        shard = row = largest = t_shard = t_row = 0
         for p in params:
             local = list(p.shape)
             if cfg.tp > 1 and p.tp_dim is not None:
-                local[p.tp_dim] = chunk_sizes(local[p.tp_dim], cfg.tp)[0]
+                local[p.tp_dim] = _first_chunk(local[p.tp_dim], cfg.tp)
             rows = local[0]
             per_row = math.prod(local[1:])
-            mine = chunk_sizes(rows, cfg.dp_shard)[0] * per_row
+            mine = _first_chunk(rows, cfg.dp_shard) * per_row
+            padded = padded_chunk_size(rows, cfg.dp_shard) * per_row
             shard += mine
             largest = max(largest, mine)
-            row += padded_chunk_size(rows, cfg.dp_shard) * per_row
+            row += padded
+            if p.requires_grad:
+                t_shard += mine
+                t_row += padded
         out.append(
             GroupLayout(
                 name=name,
@@ -737,6 +855,10 @@ def group_layouts(profile: ModelProfile, cfg: PlanConfig) -> list[GroupLayout]:
                 unsharded_numel=row * cfg.dp_shard,
                 largest_shard_numel=largest,
                 itemsize=params[0].dtype.itemsize,
+                blocks=spans[name],
+                trained_shard_numel=t_shard,
+                trained_row_numel=t_row,
+                n_trained=sum(p.requires_grad for p in params),
             )
         )
     return out
@@ -780,10 +902,20 @@ class Estimate:
     comm_s: float = 0.0
     step_s: float = 0.0
 
+    hardware: Hardware | None = None
+
     @property
     def peak_gib(self) -> float:
         """``peak_bytes`` in GiB."""
         return self.peak_bytes / GiB
+
+    @property
+    def allocator_bytes(self) -> int:
+        """What the allocator is expected to hold at the peak (the CUDA caching allocator's
+        reserved bytes; on CPU the resident set above the process's baseline): the live
+        peak times the hardware's measured ``allocator_factor``."""
+        factor = self.hardware.allocator_factor if self.hardware is not None else 1.0
+        return int(self.peak_bytes * factor)
 
 
 def estimate(
@@ -821,10 +953,37 @@ def estimate(
         categories=dict(mem[peak_phase]),
         phases=mem,
         groups=groups,
-        collectives=collectives(profile, cfg, groups, device=device),
+        collectives=_cached_collectives(profile, cfg, groups, device),
+        hardware=hardware,
     )
     est.compute_s, est.comm_s, est.step_s = step_cost(profile, cfg, est, hardware)
     return est
+
+
+def _cached_collectives(profile: ModelProfile, cfg: PlanConfig, groups, device: str) -> dict:
+    """``collectives`` of ``cfg``, once per configuration that changes them."""
+    tp_dependent = (cfg.batch_size, cfg.checkpointed(profile.n_blocks)) if cfg.tp > 1 else ()
+    key = ("comms", device, *tp_dependent, replace(cfg, batch_size=1, offload=False,
+           activation_checkpointing=False, checkpointed_blocks=None))  # fmt: skip
+    out = profile.cache.get(key)
+    if out is None:
+        out = profile.cache[key] = collectives(profile, cfg, groups, device=device)
+    return out
+
+
+def peak_bytes(
+    profile: ModelProfile, cfg: PlanConfig, hardware: Hardware = H100, *, device: str | None = None
+) -> int:
+    """The predicted peak of ``cfg`` alone (``estimate(...).peak_bytes`` without the
+    collectives and the step cost: what a search calls many times).
+
+    Example:
+        >>> peak_bytes(profile, PlanConfig(world_size=8)) == estimate(profile, PlanConfig(world_size=8)).peak_bytes
+        True
+    """
+    device = device or hardware.device
+    mem = _memory(profile, cfg, group_layouts(profile, cfg), device)
+    return int(max(sum(m.values()) for m in mem.values()))
 
 
 def _memory(profile: ModelProfile, cfg: PlanConfig, groups, device: str) -> dict:
@@ -853,7 +1012,7 @@ def _state_at_rest(
     """Parameter and gradient shards, optimizer state and the optimizer step's temporaries
     on the device (none of them when offloaded)."""
     sharded = sum(g.shard_numel * g.itemsize for g in groups)
-    trainable = sum(g.shard_numel * g.itemsize for g in groups if _trains(g))
+    trainable = sum(g.trained_shard_numel * g.itemsize for g in groups)
     n_trained = sum(p.requires_grad for p in profile.params)
     opt = _OPTIMIZER_STATES[cfg.optimizer] * trainable
     if cfg.optimizer == "adamw":
@@ -881,6 +1040,8 @@ class _Activations:
     block_in: float  # one block's input (sequence-sharded between blocks under tp)
     gathered: float  # under tp: a gathered input, alive again while backward re-gathers it
     kept: list[float]  # what each block keeps until its backward (its input under AC)
+    checkpointed: frozenset = frozenset()  # the blocks recomputed in backward
+    kept_before: list[float] = field(default_factory=list)  # sum(kept[:i]) for each i
 
 
 def _activations(profile: ModelProfile, cfg: PlanConfig, compute: torch.dtype) -> _Activations:
@@ -901,8 +1062,11 @@ def _activations(profile: ModelProfile, cfg: PlanConfig, compute: torch.dtype) -
             post_big = max(post_big, a)
     block_in = profile.block_inputs[compute] * b / tp  # sequence-sharded between blocks
     gathered = block_in * tp if tp > 1 else 0.0
-    kept = [block_in] * profile.n_blocks if cfg.activation_checkpointing else per_block
-    return _Activations(pre, post, post_big, per_block, biggest, block_in, gathered, kept)
+    ac = cfg.checkpointed(profile.n_blocks)
+    kept = [block_in if i in ac else per_block[i] for i in range(profile.n_blocks)]
+    acts = _Activations(pre, post, post_big, per_block, biggest, block_in, gathered, kept, ac)
+    acts.kept_before = list(itertools.accumulate(kept, initial=0.0))
+    return acts
 
 
 @dataclass
@@ -922,13 +1086,13 @@ class _GroupBytes:
         return 0 if self.trivial or g is None else g.unsharded_numel * self.c_item
 
     def ugrads(self, g) -> int:
-        return 0 if g is None or not _trains(g) else g.unsharded_numel * self.c_item
+        return 0 if g is None else g.trained_row_numel * self.cfg.dp_shard * self.c_item
 
     def grad_shards(self, gs) -> int:
         """The gradient shards of the groups ``gs`` that train, on the device."""
         if self.offloaded:
             return 0
-        return sum(g.shard_numel * g.itemsize for g in gs if _trains(g))
+        return sum(g.trained_shard_numel * g.itemsize for g in gs)
 
     def direct(self, g, itemsize: int) -> bool:
         """Whether gloo sends ``g``'s collectives by the direct route (large parameters)."""
@@ -954,9 +1118,10 @@ class _GroupBytes:
         """What one reduction in flight holds besides the unsharded gradients."""
         if self.trivial or g is None or not _trains(g):
             return 0
-        width = (g.row_numel + len(g.params)) * self.r_item  # values, then one flag each
+        width = (g.trained_row_numel + g.n_trained) * self.r_item  # values, a flag each
         if self.direct(g, self.r_item):
-            cast = g.unsharded_numel * self.r_item if self.r_item != self.c_item else 0
+            unsharded = g.trained_row_numel * self.cfg.dp_shard
+            cast = unsharded * self.r_item if self.r_item != self.c_item else 0
             return self.pooled(g, (self.cfg.dp_shard - 1) * width) + cast
         rows = self.pooled(g, self.cfg.dp_shard * width)  # the gradient rows, cast on the way
         if self.gloo:  # the all-to-all receives as many
@@ -987,6 +1152,8 @@ class _StepMemory:
         self.pending = 1 if gloo else 2  # CommContext.max_pending
         self.root = groups[0] if groups[0].name == "root" else None
         self.blocks = [g for g in groups if g.name != "root"]
+        n = len(self.blocks)
+        self.raf = [cfg.reshards(j, n) for j in range(n)]
         trivial = cfg.dp == 1 and compute == own
         self.g = _GroupBytes(
             cfg, self.root, compute.itemsize, reduce_dtype.itemsize, trivial, offloaded, gloo
@@ -1025,13 +1192,11 @@ class _StepMemory:
     def forward_moments(self) -> dict:
         """The end of forward, and the start of backward (the loss's gradient)."""
         g, a, blocks = self.g, self.acts, self.blocks
-        if not blocks:
-            in_flight = 0
-        elif self.cfg.reshard_after_forward:
-            in_flight = sum(g.unsharded(b) for b in blocks[-2:])
-        else:
-            in_flight = sum(g.unsharded(b) for b in blocks)
-        after_forward = 0 if self.cfg.reshard_after_forward else sum(g.unsharded(b) for b in blocks)
+        kept = [b for b, raf in zip(blocks, self.raf, strict=True) if not raf]
+        after_forward = sum(g.unsharded(b) for b in kept)
+        # the last block (gathered again, or kept) and the one its backward prefetches
+        last = [b for b, raf in zip(blocks[-2:], self.raf[-2:], strict=True) if raf]
+        in_flight = after_forward + sum(g.unsharded(b) for b in last)
         return {
             "forward": {
                 "unsharded_params": self.root_u + after_forward,
@@ -1052,22 +1217,25 @@ class _StepMemory:
         after it are reduced (but the ``pending`` latest, whose reductions are in flight),
         the blocks before it still hold their activations."""
         g, a, blocks = self.g, self.acts, self.blocks
-        ac = self.cfg.activation_checkpointing
         queued = blocks[i + 1 : i + 1 + self.pending]
-        if self.cfg.reshard_after_forward:
-            gathered_now = sum(g.unsharded(b) for b in blocks[max(i - 1, 0) : i + 1])
-        else:
-            gathered_now = sum(g.unsharded(b) for b in blocks[: i + 1])
-        # backward's working set in a block: the gradients of its input and output, and of
-        # its largest intermediate (twice); the recomputed block under checkpointing
+        # groups kept since forward, and the group computing and the one prefetched
+        gathered_now = sum(
+            g.unsharded(b) for j, b in enumerate(blocks[: i + 1]) if not self.raf[j] or j >= i - 1
+        )
+        # the group's worst moment: the backward of its last block (the group's other
+        # blocks still hold what they kept). Backward's working set in a block: the
+        # gradients of its input and output, and of its largest intermediate (twice); the
+        # recomputed block when it is checkpointed
+        last = blocks[i].blocks[-1] if blocks[i].blocks else i
+        ac = last in a.checkpointed
         return {
             "unsharded_params": self.root_u + gathered_now,
             **self._block_grads(i, queued),
-            "activations": a.pre + sum(a.kept[:i]) + (0 if ac else a.per_block[i]),
-            "temporaries": 2 * a.biggest[i]
+            "activations": a.pre + a.kept_before[last] + (0 if ac else a.per_block[last]),
+            "temporaries": 2 * a.biggest[last]
             + 2 * a.block_in
             + a.gathered
-            + (a.per_block[i] if ac else 0),
+            + (a.per_block[last] if ac else 0),
             "comm_buffers": g.gather_buffers(self.ref) + sum(g.reduce_buffers(b) for b in queued),
         }
 
@@ -1112,7 +1280,7 @@ class _StepMemory:
             out["root reduction"] = {
                 "sharded_grads": g.grad_shards(blocks),
                 "unsharded_grads": g.held_grads(root),
-                "temporaries": root.row_numel * g.r_item,
+                "temporaries": root.trained_row_numel * g.r_item,
                 "comm_buffers": g.reduce_buffers(root),
             }
         return out
@@ -1139,8 +1307,8 @@ def collectives(profile: ModelProfile, cfg: PlanConfig, groups=None, *, device: 
     forward and backward of ``cfg``, as ``CommDebugMode`` records them (bytes: what one
     rank contributes). The counting is the communication ledger's analytic model
     (``fsdp2.tools.comm_model``), fed the planner's groups: FSDP's always; tensor
-    parallelism's for ``examples.gpt``'s plan (``TransformerTP``) without activation
-    checkpointing (the recomputed forward's are not modelled there), else left out.
+    parallelism's for ``examples.gpt``'s plan (``TransformerTP``, the recomputed
+    forward's included under activation checkpointing), else left out.
 
     Example:
         >>> count, nbytes = collectives(profile, PlanConfig(world_size=8))[("all_gather", "dp_shard")]
@@ -1154,20 +1322,35 @@ def collectives(profile: ModelProfile, cfg: PlanConfig, groups=None, *, device: 
 
 
 def transformer_tp(profile: ModelProfile, cfg: PlanConfig):
-    """The ledger's ``TransformerTP`` for ``cfg`` when it applies: ``tp > 1``, no
-    activation checkpointing, and a model laid out by ``examples.gpt.tp_plan`` (a GPT with
-    token and position embeddings, LayerNorms); else None.
+    """The ledger's ``TransformerTP`` for ``cfg`` when it applies: ``tp > 1`` and a model
+    laid out by ``examples.gpt.tp_plan`` (a GPT with token and position embeddings,
+    LayerNorms); else None.
+
+    Activation checkpointing: the blocks ``cfg.checkpointed_blocks`` names when it is set
+    (those below ``profile.n_blocks``), else every block under
+    ``cfg.activation_checkpointing`` (``parallelize_transformer``'s), and every block when
+    the model checkpoints its own (``GPTConfig.checkpoint_blocks``); their recomputation
+    re-issues attention's input all-gather and output reduce-scatter.
 
     Example:
         >>> transformer_tp(profile, PlanConfig(world_size=8, tp=2)).tp_size
         2
+        >>> ac = PlanConfig(world_size=8, tp=2, activation_checkpointing=True)
+        >>> len(transformer_tp(profile, ac).checkpointed) == profile.n_blocks
+        True
     """
     from fsdp2.tools.comm_model import TransformerTP
 
     model_cfg = _config_of(profile.model)
     is_gpt = type(profile.model).__name__ == "GPT" and hasattr(model_cfg, "tie_weights")
-    if cfg.tp == 1 or cfg.activation_checkpointing or not is_gpt:
+    if cfg.tp == 1 or not is_gpt:
         return None
+    n = profile.n_blocks
+    blocks = getattr(cfg, "checkpointed_blocks", None)
+    if blocks is None:
+        blocks = range(n) if cfg.activation_checkpointing else ()
+    if getattr(model_cfg, "checkpoint_blocks", False):  # torch.utils.checkpoint in forward
+        blocks = range(n)
     return TransformerTP(
         n_layers=profile.n_blocks,
         batch=cfg.batch_size,
@@ -1177,6 +1360,7 @@ def transformer_tp(profile: ModelProfile, cfg: PlanConfig):
         tp_size=cfg.tp,
         dtype=cfg.param_dtype or profile.params[0].dtype,
         bias=bool(getattr(model_cfg, "bias", True)),
+        checkpointed_blocks=tuple(b for b in blocks if b < n),  # as PlanConfig.checkpointed
     )
 
 
@@ -1191,13 +1375,14 @@ def group_specs(profile: ModelProfile, cfg: PlanConfig, groups=None, *, device: 
     from fsdp2.tools.comm_model import GroupSpec, ParamSpec
 
     groups = groups or group_layouts(profile, cfg)
+    n_blocks = sum(g.name != "root" for g in groups)
     specs = []
     for g in groups:
         params = []
         for p in g.params:
             local = list(p.shape)
             if cfg.tp > 1 and p.tp_dim is not None:
-                local[p.tp_dim] = chunk_sizes(local[p.tp_dim], cfg.tp)[0]
+                local[p.tp_dim] = _first_chunk(local[p.tp_dim], cfg.tp)
             params.append(ParamSpec(tuple(local), p.dtype, p.requires_grad))
         is_root = g.name == "root"
         specs.append(
@@ -1207,7 +1392,8 @@ def group_specs(profile: ModelProfile, cfg: PlanConfig, groups=None, *, device: 
                 mesh_dim="dp_shard",
                 replicate_size=cfg.dp_replicate,
                 replicate_mesh_dim="dp_replicate" if cfg.dp_replicate > 1 else None,
-                reshard_after_forward=cfg.reshard_after_forward and not is_root,
+                reshard_after_forward=not is_root
+                and cfg.reshards(len(specs) - (groups[0].name == "root"), n_blocks),
                 param_dtype=cfg.param_dtype,
                 reduce_dtype=cfg.reduce_dtype,
                 name=g.name,
@@ -1225,26 +1411,32 @@ def step_cost(
     """``(compute, communication, step)`` seconds of one step on ``hw``.
 
     Compute: ``6 N T + 12 L d s T`` FLOPs for ``T`` tokens per data-parallel rank (``N``
-    parameters, ``L`` layers, width ``d``, sequence ``s``), ``2 N T`` more with activation
-    checkpointing (one more forward), split over ``tp`` ranks, at ``hw.flops *
-    hw.efficiency``. Communication: ring collectives move ``(n - 1) / n`` of the gathered
-    size per rank, at the intra-node bandwidth while the group fits in a node (the mesh
-    puts ``tp`` innermost, then ``dp_shard``, then ``dp_replicate``), else the inter-node.
-    FSDP's gathers and reductions overlap compute; tensor parallelism's do not (the
-    ledger's ``TransformerTP`` when it applies, else two all-gathers and two
-    reduce-scatters of a block's activations per forward, as many in backward, and again
-    in a recomputed forward). Step = ``max(compute, fsdp) + tp +`` the
-    first gather, which nothing hides.
+    parameters, ``L`` layers, width ``d``, sequence ``s``), plus each checkpointed block's
+    forward again (``2 N_b T + 4 d s T``), split over ``tp`` ranks, at ``hw.flops *
+    hw.efficiency * hw.speed(compute dtype)``; under CPU offload (on a GPU) the host copies
+    and the host's optimizer step add to it. Communication: ring collectives move ``(n -
+    1) / n`` of the gathered size per rank, at the intra-node bandwidth while the group
+    fits in a node (the mesh puts ``tp`` innermost, then ``dp_shard``, then
+    ``dp_replicate``), else the inter-node. FSDP's gathers and reductions overlap compute
+    where ``hw.overlap``; tensor parallelism's do not (the ledger's ``TransformerTP`` when
+    it applies, else two all-gathers and two reduce-scatters of a block's activations per
+    forward, as many in backward, and again in a recomputed forward). Step = ``max(compute,
+    fsdp)`` (``compute + fsdp`` without overlap) ``+ tp +`` the first gather, which nothing
+    hides.
 
     Example:
         >>> compute, comm, step = step_cost(profile, cfg, estimate(profile, cfg), H100)
     """
     tokens = cfg.batch_size * profile.seq_len
     n = profile.num_params
-    flops = 6 * n * tokens + 12 * profile.n_layers * profile.hidden * profile.seq_len * tokens
-    if cfg.activation_checkpointing:
-        flops += 2 * n * tokens
-    compute = flops / cfg.tp / (hw.flops * hw.efficiency)
+    attn = 4 * profile.hidden * profile.seq_len * tokens  # one layer's attention, forward
+    flops = 6 * n * tokens + 3 * profile.n_layers * attn
+    for b in cfg.checkpointed(profile.n_blocks):  # the block's forward again
+        flops += 2 * _block_params(profile, b) * tokens + attn * profile.n_layers / profile.n_blocks
+    compute_dtype = cfg.param_dtype or profile.params[0].dtype
+    compute = flops / cfg.tp / (hw.flops * hw.efficiency * hw.speed(compute_dtype))
+    if cfg.offload and hw.device != "cpu":
+        compute += _offload_seconds(est, cfg, hw)
 
     def bw(span: int) -> float:
         return hw.intra_node_bw if span <= hw.devices_per_node else hw.inter_node_bw
@@ -1270,10 +1462,33 @@ def step_cost(
         tp_s += moved.get(kind, 2 * nbytes * (k - 1) / k) / bw(cfg.tp)
     if cfg.tp > 1 and not tp_known:
         act = tokens * profile.hidden * (cfg.param_dtype or torch.float32).itemsize
-        passes = 3 if cfg.activation_checkpointing else 2
+        passes = 2 + len(cfg.checkpointed(profile.n_blocks)) / max(profile.n_blocks, 1)
         per_block = 4 * act * (cfg.tp - 1) / cfg.tp
         tp_s = passes * per_block * profile.n_layers / bw(cfg.tp)
-    return compute, fsdp + tp_s, max(compute, fsdp) + tp_s + first
+    hidden = max(compute, fsdp) if hw.overlap else compute + fsdp
+    return compute, fsdp + tp_s, hidden + tp_s + first
+
+
+def _block_params(profile: ModelProfile, block: int) -> int:
+    """Parameters of transformer block ``block``."""
+    counts = profile.cache.get("block params")
+    if counts is None:
+        counts = [0] * profile.n_blocks
+        for p in profile.params:
+            if p.block is not None:
+                counts[p.block] += math.prod(p.shape)
+        profile.cache["block params"] = counts
+    return counts[block]
+
+
+def _offload_seconds(est: Estimate, cfg: PlanConfig, hw: Hardware) -> float:
+    """CPU offload's share of a step: the parameter shards copied to the device for every
+    all-gather, the gradient shards copied back, and the optimizer step on the host."""
+    shards = sum(g.shard_numel * g.itemsize for g in est.groups)
+    trained = sum(g.trained_shard_numel for g in est.groups)
+    gathers = 2 if cfg.reshard_after_forward else 1
+    copies = gathers * shards + sum(g.trained_shard_numel * g.itemsize for g in est.groups)
+    return copies / hw.host_bw + trained / hw.host_optimizer
 
 
 # --------------------------------------------------------------------------------- ranking
@@ -1336,7 +1551,17 @@ def rank_configs(
             out.append(estimate(profile, cfg, hardware))
     fits = [e for e in out if budget is None or e.peak_bytes <= budget]
     rest = [e for e in out if not (budget is None or e.peak_bytes <= budget)]
-    return sorted(fits, key=lambda e: e.step_s), sorted(rest, key=lambda e: e.peak_bytes)
+    return sorted(fits, key=speed_then_memory), sorted(rest, key=lambda e: e.peak_bytes)
+
+
+def speed_then_memory(est: Estimate) -> tuple[float, int]:
+    """Sort key: predicted step time to four significant digits, then peak memory (of
+    layouts equally fast, the one that leaves most memory free first).
+
+    Example:
+        >>> fits.sort(key=speed_then_memory)
+    """
+    return float(f"{est.step_s:.4g}"), est.peak_bytes
 
 
 def _divisors(n: int) -> list[int]:

@@ -1,0 +1,274 @@
+"""What ``python -m fsdp2.plan`` suggests when no layout fits the memory budget.
+
+Every suggestion is evaluated on the smallest layout (the one with the lowest predicted
+peak), changing one thing at a time, and offered only where it is not already in use and
+lowers the peak: activation checkpointing, CPU offload (with the host memory it needs),
+bf16 master weights, a smaller micro-batch, and more ranks (the smallest world size that
+fits, found by doubling then bisecting).
+
+Example:
+    >>> fits, too_big = rank_configs(profile, 8, budget)
+    >>> if not fits:
+    ...     for line in nothing_fits_advice(profile, too_big[0], budget, H100):
+    ...         print(line)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+
+from fsdp2.tools.planner import (
+    _OPTIMIZER_STATES,
+    Estimate,
+    Hardware,
+    ModelProfile,
+    _trains,
+    estimate,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "HostMemory",
+    "offload_host_memory",
+    "smallest_fitting_world_size",
+    "nothing_fits_advice",
+]
+
+_GIB = 1 << 30
+#: The largest world size the search for "more ranks" tries.
+MAX_WORLD_SIZE = 1 << 17
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """The host memory ``CPUOffloadPolicy`` needs for one layout: the sharded parameters,
+    their gradients and the optimizer state, which leave the device.
+
+    Attributes:
+        params / grads / optimizer_state: bytes of one rank (rank 0: the largest shards).
+        ranks_per_node: ranks that share one host.
+
+    Example:
+        >>> host = offload_host_memory(estimate(profile, cfg), hardware=H100)
+        >>> host.per_rank / 2**30, host.per_node / 2**30
+    """
+
+    params: int
+    grads: int
+    optimizer_state: int
+    ranks_per_node: int
+
+    @property
+    def per_rank(self) -> int:
+        """Bytes one rank keeps on the host."""
+        return self.params + self.grads + self.optimizer_state
+
+    @property
+    def per_node(self) -> int:
+        """Bytes the host of a node keeps for all its ranks."""
+        return self.per_rank * self.ranks_per_node
+
+
+def offload_host_memory(est: Estimate, *, hardware: Hardware) -> HostMemory:
+    """What ``est``'s layout moves to the host under CPU offload: parameter shards (in
+    their dtype at rest), the gradient shards of the groups that train (the same dtype),
+    and the optimizer's state (AdamW two tensors per trained element, SGD with momentum
+    one, plain SGD none), per rank and per node of ``hardware.devices_per_node`` ranks
+    (fewer when the world is smaller).
+
+    Example:
+        >>> host = offload_host_memory(estimate(profile, PlanConfig(world_size=8)), hardware=H100)
+        >>> host.per_rank == host.params + host.grads + host.optimizer_state
+        True
+    """
+    params = sum(g.shard_numel * g.itemsize for g in est.groups)
+    trained = sum(g.shard_numel * g.itemsize for g in est.groups if _trains(g))
+    states = _OPTIMIZER_STATES[est.config.optimizer] * trained
+    ranks = max(1, min(hardware.devices_per_node, est.config.world_size))
+    return HostMemory(params, trained, states, ranks)
+
+
+def smallest_fitting_world_size(
+    profile: ModelProfile,
+    cfg,
+    budget: int,
+    hardware: Hardware,
+    *,
+    limit: int = MAX_WORLD_SIZE,
+) -> Estimate | None:
+    """The estimate of ``cfg`` at the smallest world size above ``cfg.world_size`` whose
+    peak fits ``budget``: the same tensor parallelism and replicas and the same micro-batch
+    per rank (so a larger global batch), more shards. Doubles the world until a size fits,
+    then bisects between the last two (in steps of ``tp * dp_replicate``); None when no size
+    up to ``limit`` fits (what does not shrink with more shards - activations, the gathered
+    blocks, buffers - is over the budget by itself).
+
+    Example:
+        >>> est = smallest_fitting_world_size(profile, too_big[0].config, budget, H100)
+        >>> est.config.world_size if est else "no world size fits"
+    """
+    step = cfg.tp * cfg.dp_replicate
+
+    def at(world: int) -> Estimate:
+        return estimate(profile, replace(cfg, world_size=world), hardware)
+
+    lo, hi = cfg.world_size, None
+    world = cfg.world_size
+    while world * 2 <= limit:
+        world *= 2
+        est = at(world)
+        if est.peak_bytes <= budget:
+            hi = est
+            break
+        lo = world
+    if hi is None:
+        return None
+    while hi.config.world_size - lo > step:  # fits at hi, not at lo
+        mid = (lo + hi.config.world_size) // 2 // step * step
+        if mid <= lo:
+            break
+        est = at(mid)
+        if est.peak_bytes <= budget:
+            hi = est
+        else:
+            lo = mid
+    return hi
+
+
+def _gib(n: float) -> str:
+    return f"{n / _GIB:.1f} GiB"
+
+
+def _verdict(est: Estimate, budget: int) -> str:
+    if est.peak_bytes <= budget:
+        return f"fits ({_gib(est.peak_bytes)})"
+    return f"still {_gib(est.peak_bytes)}, {_gib(est.peak_bytes - budget)} over"
+
+
+def _bf16_master(profile: ModelProfile) -> ModelProfile:
+    """``profile`` with bf16 parameters (its traces shared: they depend on the compute
+    dtype only)."""
+    params = [
+        replace(p, dtype=torch.bfloat16) if p.dtype.is_floating_point else p for p in profile.params
+    ]
+    return replace(profile, params=params, cache={})  # the cached layouts have fp32 sizes
+
+
+def nothing_fits_advice(
+    profile: ModelProfile,
+    smallest: Estimate,
+    budget: int,
+    hardware: Hardware,
+    *,
+    max_world_size: int = MAX_WORLD_SIZE,
+) -> list[str]:
+    """Lines of advice when no layout fits: for the smallest layout ``smallest`` (the
+    lowest peak of ``rank_configs``' ``too_big``), each change it does not already use,
+    evaluated, with whether it then fits: activation checkpointing; CPU offload (on a
+    GPU), with the host memory it takes per rank and per node
+    (:func:`offload_host_memory`); bf16 master weights (when they are wider); one sequence
+    per rank (when it has more); those together; and the smallest world size that fits
+    (:func:`smallest_fitting_world_size`), as is or with the changes. A change that does
+    not lower the peak is not suggested; one already in use is said to be.
+
+    Example:
+        >>> for line in nothing_fits_advice(profile, too_big[0], 20 * 2**30, H100):
+        ...     print(line)
+        the smallest peak, 43.4 GiB (fsdp 8 ac bf16, at backward start), is 23.4 GiB over ...
+        activation checkpointing is already on in this layout
+        CPU offload (--offload): still 32.2 GiB, 12.2 GiB over; the host holds 15.0 GiB a rank, ...
+    """
+    cfg = smallest.config
+    lines = [
+        f"the smallest peak, {_gib(smallest.peak_bytes)} ({cfg.describe()}, at "
+        f"{smallest.peak_phase}), is {_gib(smallest.peak_bytes - budget)} over the budget "
+        f"of {_gib(budget)}; by category: "
+        + ", ".join(
+            f"{k} {_gib(v)}"
+            for k, v in sorted(smallest.categories.items(), key=lambda kv: -kv[1])
+            if v >= 0.05 * _GIB
+        )
+    ]
+    changes: dict = {}  # the PlanConfig fields of the changes that lower the peak
+    helped: list[str] = []
+    changed = profile  # with bf16 parameters, once that helps
+
+    def consider(label: str, est: Estimate, fields: dict, note: str = "") -> None:
+        lowers = est.peak_bytes < smallest.peak_bytes
+        if lowers or note:
+            lines.append(f"{label}: {_verdict(est, budget)}{note}")
+        if lowers:
+            changes.update(fields)
+            helped.append(label.split(" (")[0])
+
+    if len(cfg.checkpointed(profile.n_blocks)) == profile.n_blocks:
+        lines.append("activation checkpointing is already on in this layout")
+    else:
+        fields = {"activation_checkpointing": True, "checkpointed_blocks": None}
+        est = estimate(profile, replace(cfg, **fields), hardware)
+        consider("activation checkpointing (--ac)", est, fields)
+    if hardware.device != "cpu":  # a CPU compute device ignores offload
+        host = offload_host_memory(smallest, hardware=hardware)
+        held = (
+            f"the host holds {_gib(host.per_rank)} a rank, {_gib(host.per_node)} a node of "
+            f"{host.ranks_per_node} ranks (parameter shards {_gib(host.params)}, gradients "
+            f"{_gib(host.grads)}, {cfg.optimizer} state {_gib(host.optimizer_state)})"
+        )
+        if cfg.offload:
+            lines.append(f"CPU offload is already on: {held}")
+        else:
+            est = estimate(profile, replace(cfg, offload=True), hardware)
+            consider("CPU offload (--offload)", est, {"offload": True}, f"; {held}")
+    if any(p.dtype.itemsize > 2 for p in profile.params if p.dtype.is_floating_point):
+        bf16 = _bf16_master(profile)
+        fields = {"param_dtype": None if cfg.param_dtype == torch.bfloat16 else cfg.param_dtype}
+        est = estimate(bf16, replace(cfg, **fields), hardware)
+        consider(
+            "bf16 master weights (--master-dtype bf16: weights, gradients and optimizer state "
+            "in bf16, no fp32 copy)",
+            est,
+            fields,
+        )
+        if est.peak_bytes < smallest.peak_bytes:
+            changed = bf16
+    if cfg.batch_size > 1:
+        est = estimate(profile, replace(cfg, batch_size=1), hardware)
+        consider(
+            f"one sequence a rank instead of {cfg.batch_size} (--global-batch {cfg.dp})",
+            est,
+            {"batch_size": 1},
+        )
+    together = replace(cfg, **changes)
+    together_fits = False
+    if helped:
+        est = estimate(changed, together, hardware)
+        together_fits = est.peak_bytes <= budget
+        if len(helped) > 1:
+            lines.append(f"all of these together ({', '.join(helped)}): {_verdict(est, budget)}")
+    more = smallest_fitting_world_size(profile, cfg, budget, hardware, limit=max_world_size)
+    if more is not None:
+        lines.append(
+            f"more ranks: {more.config.world_size} ranks fit ({more.config.describe()}, "
+            f"{cfg.batch_size} sequence(s) a rank, {_gib(more.peak_bytes)})"
+        )
+    else:
+        line = (
+            f"more ranks alone do not help: no world size up to {max_world_size} fits this "
+            "layout (what does not shrink with more shards is over the budget)"
+        )
+        if helped and not together_fits:
+            more = smallest_fitting_world_size(
+                changed, together, budget, hardware, limit=max_world_size
+            )
+            if more is not None:
+                line += (
+                    f"; with {', '.join(helped)}: {more.config.world_size} ranks fit "
+                    f"({more.config.describe()}, {_gib(more.peak_bytes)})"
+                )
+        lines.append(line)
+    logger.debug("nothing fits: %s", lines)
+    return lines

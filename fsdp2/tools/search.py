@@ -1,0 +1,397 @@
+"""Layout search: the fastest layout that fits a memory budget, over every knob the planner
+models (``fsdp2.tools.planner``), block by block where it matters.
+
+``search_layouts(profile, world_size, budget)`` walks the layouts of a world size - the
+tensor-parallel and HSDP degrees, how many blocks share one ``fully_shard`` call, which
+block groups keep their gathered parameters from forward to backward - and for each finds
+the fewest checkpointed blocks that make it fit (checkpointing only costs compute, so the
+fewest is the fastest). Tiers come after that, each only when no layout of the tiers before
+fits: lower-precision parameters (a dtype ladder, most precise first on CPU), then CPU
+offload, the last resort. Of the layouts that fit, the fastest wins; of equally fast ones
+the one that uses less memory.
+
+[Note: fitting with a margin] A layout fits when its predicted live peak times ``1 +
+margin`` is within the budget. The default margin is the hardware's measured
+``allocator_factor - 1``: what the CUDA caching allocator reserves (or the CPU process's
+resident set grows) beyond the live tensor bytes the planner predicts.
+
+Example:
+    >>> profile = profile_model(model, seq_len=2048)
+    >>> result = search_layouts(profile, 64, parse_bytes("79GiB"), hardware=H100)
+    >>> result.best.config.describe(), f"{result.best.peak_gib:.1f} GiB"
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from fsdp2.tools.planner import (
+    H100,
+    Estimate,
+    GiB,
+    Hardware,
+    ModelProfile,
+    PlanConfig,
+    _divisors,
+    _heads,
+    estimate,
+    peak_bytes,
+    speed_then_memory,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "NothingFitsError",
+    "SearchResult",
+    "search_layouts",
+    "default_margin",
+    "host_bytes",
+    "fmt_bytes",
+]
+
+
+class NothingFitsError(ValueError):
+    """No layout the search considered fits the budget.
+
+    Attributes:
+        smallest: the layout with the smallest predicted peak.
+        budget: the budget in bytes; ``margin`` the margin it was held to.
+        advice: what would make it fit, one line each.
+
+    Example:
+        >>> try:
+        ...     search_layouts(profile, 8, parse_bytes("1GiB"))
+        ... except NothingFitsError as e:
+        ...     print(e.smallest.config.describe(), e.advice)
+    """
+
+    def __init__(self, smallest: Estimate, budget: int, margin: float, advice: list[str]):
+        self.smallest, self.budget, self.margin, self.advice = smallest, budget, margin, advice
+        need = smallest.peak_bytes * (1 + margin)
+        lines = "".join(f"\n  - {a}" for a in advice)
+        super().__init__(
+            f"nothing fits: the smallest predicted peak is {fmt_bytes(smallest.peak_bytes)} "
+            f"({smallest.config.describe()}), {fmt_bytes(need)} with the {margin:.0%} margin, "
+            f"over the budget of {fmt_bytes(budget)} a rank. "
+            f"What would fit:{lines or ' nothing the planner models.'}"
+        )
+
+
+def fmt_bytes(n: float) -> str:
+    """``n`` bytes in GiB, or MiB below one GiB.
+
+    Example:
+        >>> fmt_bytes(3 << 30), fmt_bytes(5 << 20)
+        ('3.00 GiB', '5.0 MiB')
+    """
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
+
+
+@dataclass
+class SearchResult:
+    """What ``search_layouts`` found.
+
+    Attributes:
+        best: the chosen layout (fastest that fits; of equal ones the smallest).
+        considered: every layout estimated at its fewest checkpointed blocks, those that
+            fit first (fastest first), then the others (smallest first).
+        budget / margin: as searched.
+        tier: what the chosen layout needed beyond the first tier (``""``, ``"bf16"``,
+            ``"offload"``...).
+
+    Example:
+        >>> result.best.config.describe(), len(result.fits)
+    """
+
+    best: Estimate
+    considered: list[Estimate]
+    budget: int
+    margin: float
+    tier: str = ""
+    fits: list[Estimate] = field(default_factory=list)
+
+
+def default_margin(hardware: Hardware) -> float:
+    """The margin the search holds a layout to by default ([Note: fitting with a margin]).
+
+    Example:
+        >>> default_margin(H100)
+        0.35
+    """
+    return round(max(hardware.allocator_factor - 1.0, 0.0), 4)
+
+
+def search_layouts(
+    profile: ModelProfile,
+    world_size: int,
+    budget_bytes: int,
+    *,
+    hardware: Hardware = H100,
+    global_batch: int | None = None,
+    margin: float | None = None,
+    tp_degrees=None,
+    replicate_degrees=None,
+    blocks_per_group=(1, 2, 0),
+    param_dtypes=None,
+    offload: bool | str = "last-resort",
+    optimizer: str = "adamw",
+) -> SearchResult:
+    """Search the layouts of ``world_size`` ranks for the fastest that fits ``budget_bytes``.
+
+    Args:
+        profile: from ``profile_model`` (with ``tp_plan`` for tensor-parallel layouts).
+        world_size: ranks in all.
+        budget_bytes: live bytes one rank may hold (a device's memory, say).
+        hardware: the step-cost and allocator model (``H100``, ``CPU``).
+        global_batch: sequences per step, held fixed across layouts (default: one per rank).
+        margin: fit ``peak * (1 + margin) <= budget`` (default ``default_margin``).
+        tp_degrees / replicate_degrees: the degrees allowed (default: 1, 2, 4, 8 within a
+            node dividing the heads; HSDP replicas whose shard groups fill whole nodes).
+        blocks_per_group: blocks per ``fully_shard`` call to try (0: the root alone).
+        param_dtypes: the ladder of ``(param_dtype, reduce_dtype)`` pairs (or dtypes: the
+            reduction then in fp32) tried in order, the next only when nothing fits (default:
+            bf16 compute on a GPU; fp32, then bf16 on a CPU).
+        offload: ``"last-resort"`` (only when nothing fits on the device), True, False.
+        optimizer: ``"adamw"``, ``"sgd"``, ``"sgd-nomomentum"``.
+
+    Raises:
+        NothingFitsError: no layout fits; it carries the smallest and what would fit.
+        ValueError: bad arguments (before any search).
+
+    Example:
+        >>> result = search_layouts(profile, 8, 6 * 2**30, hardware=CPU)
+        >>> result.best.config.checkpointed_blocks       # the fewest blocks checkpointed
+        (0, 1)
+    """
+    _check_args(world_size, budget_bytes, margin, offload)
+    margin = default_margin(hardware) if margin is None else float(margin)
+    global_batch = global_batch or world_size
+    tiers = _tiers(hardware, param_dtypes, offload)
+    considered: list[Estimate] = []
+    for label, base in tiers:
+        base = replace(base, world_size=world_size, optimizer=optimizer)
+        found = [
+            _fewest_checkpointed(profile, cfg, hardware, budget_bytes, margin)
+            for cfg in _layouts(
+                profile,
+                base,
+                hardware,
+                global_batch,
+                tp_degrees,
+                replicate_degrees,
+                blocks_per_group,
+            )  # fmt: skip
+        ]
+        considered += found
+        fits = sorted((e for e in found if _fits(e, budget_bytes, margin)), key=speed_then_memory)
+        if fits:
+            rest = sorted((e for e in considered if e not in fits), key=lambda e: e.peak_bytes)
+            logger.info(
+                "search: %d layouts, %d fit; best %s (%.2f GiB, %.3f s)",
+                len(considered), len(fits), fits[0].config.describe(), fits[0].peak_gib,
+                fits[0].step_s,
+            )  # fmt: skip
+            return SearchResult(fits[0], fits + rest, budget_bytes, margin, label, fits)
+    if not considered:
+        raise ValueError(
+            f"search_layouts: no layout of {world_size} ranks holds the global batch "
+            f"{global_batch} (no data-parallel size divides it); pass global_batch=."
+        )
+    smallest = min(considered, key=lambda e: e.peak_bytes)
+    raise NothingFitsError(
+        smallest, budget_bytes, margin, _advice(profile, smallest, budget_bytes, margin, hardware)
+    )
+
+
+def _check_args(world_size, budget_bytes, margin, offload) -> None:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"search_layouts: world_size must be a positive int, got {world_size!r}.")
+    if not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise ValueError(
+            f"search_layouts: budget_bytes must be a positive int, got {budget_bytes!r} "
+            "(parse '80GiB' with fsdp2.tools.planner.parse_bytes)."
+        )
+    if margin is not None and not (isinstance(margin, (int, float)) and 0 <= margin < 10):
+        raise ValueError(f"search_layouts: margin must be a fraction >= 0, got {margin!r}.")
+    if offload not in (True, False, "last-resort"):
+        raise ValueError(
+            f"search_layouts: offload must be True, False or 'last-resort', got {offload!r}."
+        )
+
+
+def _fits(est: Estimate, budget: int, margin: float) -> bool:
+    return est.peak_bytes * (1 + margin) <= budget
+
+
+def _dtype_pair(entry):
+    if isinstance(entry, tuple):
+        return entry
+    return entry, (torch.float32 if entry not in (None, torch.float32) else None)
+
+
+def _tiers(hardware: Hardware, param_dtypes, offload) -> list[tuple[str, PlanConfig]]:
+    """``(label, base config)`` of each tier, in the order they are tried."""
+    if param_dtypes is None:
+        param_dtypes = (torch.bfloat16,) if hardware.device != "cpu" else (None, torch.bfloat16)
+    pairs = [_dtype_pair(d) for d in param_dtypes]
+    offloads = {True: [True], False: [False], "last-resort": [False, True]}[offload]
+    if hardware.device == "cpu":
+        offloads = [False]  # a CPU compute device has nowhere to offload to
+    tiers = []
+    for off in offloads:
+        for i, (pd, rd) in enumerate(pairs):
+            label = " ".join(
+                x
+                for x in (
+                    _name(pd) if i else "",
+                    "offload" if off and offload == "last-resort" else "",
+                )
+                if x
+            )
+            tiers.append(
+                (label, PlanConfig(world_size=1, param_dtype=pd, reduce_dtype=rd, offload=off))
+            )
+    return tiers
+
+
+def _name(dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
+        dtype, str(dtype)
+    )
+
+
+def _layouts(profile, base, hardware, global_batch, tp_degrees, replicate_degrees, groupings):
+    """Every ``PlanConfig`` of the tier ``base`` (checkpointing decided later)."""
+    world = base.world_size
+    heads = _heads(profile.model)
+    tps = tp_degrees or [t for t in (1, 2, 4, 8) if t <= hardware.devices_per_node]
+    for tp in tps:
+        if world % tp or (tp > 1 and (not profile.tp_plan or (heads and heads % tp))):
+            continue
+        dp = world // tp
+        if global_batch % dp:
+            continue
+        for rep in replicate_degrees or _replicas(dp, tp, hardware):
+            if dp % rep or (rep > 1 and dp // rep < 2):
+                continue
+            for k in groupings:
+                if k > profile.n_blocks:
+                    continue
+                for raf, keep in _reshard_modes(k, profile.n_blocks):
+                    yield replace(
+                        base,
+                        tp=tp,
+                        dp_replicate=rep,
+                        blocks_per_group=k,
+                        reshard_after_forward=raf,
+                        keep_last_groups=keep,
+                        batch_size=global_batch // dp,
+                        checkpointed_blocks=(),
+                    )
+
+
+def _replicas(dp: int, tp: int, hardware: Hardware) -> list[int]:
+    """HSDP replica counts worth trying: none, and those whose shard groups fill whole
+    nodes (a replica per node or per few nodes: the reductions across them are the only
+    traffic between nodes)."""
+    node = hardware.devices_per_node
+    out = [1]
+    for rep in _divisors(dp)[1:]:
+        span = tp * dp // rep
+        if dp // rep >= 2 and span % node == 0 and span < tp * dp:
+            out.append(rep)
+    return out
+
+
+def _reshard_modes(k: int, n_blocks: int) -> list[tuple[bool, int]]:
+    """``(reshard_after_forward, keep_last_groups)`` to try: every group resharded, all but
+    the last (its backward comes right after forward), none."""
+    if k == 0:
+        return [(True, 0)]
+    n_groups = -(-n_blocks // k)
+    modes = [(True, 0), (False, 0)]
+    if n_groups > 1:
+        modes.insert(1, (True, 1))
+    return modes
+
+
+def _fewest_checkpointed(profile, cfg, hardware, budget, margin) -> Estimate:
+    """``cfg`` with the fewest checkpointed blocks that fit (the first ones), estimated; all
+    of them when even that does not fit (the smallest this layout gets). Memory falls as
+    blocks are checkpointed, so a bisection finds the count."""
+    n = profile.n_blocks
+
+    def with_ac(c: int) -> PlanConfig:
+        return replace(cfg, checkpointed_blocks=tuple(range(c)))
+
+    def fits(c: int) -> bool:
+        return peak_bytes(profile, with_ac(c), hardware) * (1 + margin) <= budget
+
+    if fits(0):
+        return estimate(profile, with_ac(0), hardware)
+    if not fits(n):
+        return estimate(profile, with_ac(n), hardware)
+    lo, hi = 0, n  # lo does not fit, hi does
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return estimate(profile, with_ac(hi), hardware)
+
+
+def _advice(profile, smallest: Estimate, budget: int, margin: float, hw: Hardware) -> list[str]:
+    """What would make the smallest layout fit: offload, lower precision, more ranks."""
+    cfg = smallest.config
+    out = []
+    tries = []
+    if not cfg.offload and hw.device != "cpu":
+        tries.append(("CPU offload (offload=True)", replace(cfg, offload=True)))
+    if cfg.param_dtype in (None, torch.float32):
+        tries.append(
+            (
+                "bf16 parameters",
+                replace(cfg, param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+            )
+        )
+    for label, alt in tries:
+        est = estimate(profile, alt, hw)
+        verdict = "fits" if _fits(est, budget, margin) else "does not fit"
+        extra = ""
+        if alt.offload:
+            host = host_bytes(est)
+            extra = (
+                f"; the host then holds {fmt_bytes(host)} a rank, "
+                f"{fmt_bytes(host * hw.devices_per_node)} a node of {hw.devices_per_node}"
+            )
+        out.append(f"{label}: peak {fmt_bytes(est.peak_bytes)}, {verdict}{extra}")
+    world = cfg.world_size
+    for factor in (2, 4, 8, 16, 32, 64):
+        alt = replace(cfg, world_size=world * factor)
+        est = estimate(profile, alt, hw)
+        if _fits(est, budget, margin):
+            out.append(
+                f"{world * factor} ranks ({factor}x): peak {fmt_bytes(est.peak_bytes)} with "
+                f"{alt.describe()}"
+            )
+            break
+    if not cfg.checkpointed(profile.n_blocks) == frozenset(range(profile.n_blocks)):
+        out.append("activation checkpointing on every block (the search stopped short of it)")
+    return out
+
+
+def host_bytes(est: Estimate) -> int:
+    """Host memory one rank needs under CPU offload: its parameter and gradient shards and
+    the optimizer state (two tensors per trained element for AdamW, one for SGD).
+
+    Example:
+        >>> host_bytes(estimate(profile, PlanConfig(world_size=64, offload=True))) / 2**30
+    """
+    from fsdp2.tools.planner import _OPTIMIZER_STATES
+
+    states = _OPTIMIZER_STATES[est.config.optimizer]
+    return sum(
+        (g.shard_numel + g.trained_shard_numel * (1 + states)) * g.itemsize for g in est.groups
+    )
