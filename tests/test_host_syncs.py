@@ -169,9 +169,9 @@ def _tp_expected(ac: bool) -> Counter:
     gather's is a slice); the three sequence-gathered inputs per model (two per block, the
     head's) are gathered again ([Note: regather in backward]); the gradients of the norms'
     replicated weights and biases, partial over the sequence, are all-reduced once each (two
-    per LayerNorm). Activation checkpointing's recompute adds one all-gather and one
-    reduce-scatter per block (counted, not derived: the recompute stops at the last
-    activation it must restore).
+    per LayerNorm). Activation checkpointing's recompute adds two all-gathers (attention's
+    and the MLP's input) and one reduce-scatter (attention's output) per block: it stops
+    at the MLP's last saved tensor, before its reduce-scatter.
     """
     seq_gathers, reduce_scatters = 2 * LAYERS + 1, 2 * LAYERS + 2
     forward = Counter(all_gather=seq_gathers + 1, reduce_scatter=reduce_scatters)
@@ -181,7 +181,7 @@ def _tp_expected(ac: bool) -> Counter:
         all_reduce=2 * (2 * LAYERS + 1),
     )
     if ac:
-        backward += Counter(all_gather=LAYERS, reduce_scatter=LAYERS)
+        backward += Counter(all_gather=2 * LAYERS, reduce_scatter=LAYERS)
     return forward + backward
 
 
