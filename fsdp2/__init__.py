@@ -10,6 +10,7 @@ Example:
 """
 
 from fsdp2.api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from fsdp2.auto import AutoPlan, auto_parallelize
 from fsdp2.fully_shard import (
     FSDPModule,
     UnshardHandle,
@@ -28,4 +29,6 @@ __all__ = [
     "DataParallelMeshDims",
     "register_fsdp_forward_method",
     "parallelize_transformer",
+    "auto_parallelize",
+    "AutoPlan",
 ]

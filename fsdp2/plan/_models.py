@@ -84,6 +84,8 @@ def tp_plan_for(model: nn.Module) -> dict | None:
     from dtensor.parallel import ColwiseParallel, RowwiseParallel
 
     if type(model).__name__ == "GPT" and hasattr(model, "blocks"):
+        if getattr(getattr(model, "cfg", None), "fused_qkv", False):
+            return None  # a column split of the fused q/k/v projection cuts across q, k, v
         from examples.gpt import tp_plan
 
         return tp_plan()

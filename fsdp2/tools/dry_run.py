@@ -15,6 +15,14 @@ fake group creates fake subgroups (``device_mesh.groups.simulated_world``), and 
 whose parameters are still on meta at the first forward gathers and computes on meta
 ([Note: dry run on meta] in ``fsdp2/_param_group.py``).
 
+``dry_run_plan`` does the same for an ``fsdp2.auto.AutoPlan``: the layout is the plan's,
+applied by ``plan.apply`` (so groups of several blocks, per-group ``reshard_after_forward``
+and per-block checkpointing are the plan's), and the step runs at the plan's micro-batch
+and sequence length. ``fsdp2.auto.verify_plan`` compares the result with the plan
+(``python -m fsdp2.auto --plan plan.json --build-model pkg.mod:fn`` for a plan file);
+``auto_parallelize`` runs it in a fresh process, since the fake group needs a process
+without a process group.
+
 Example:
     >>> from examples.gpt import GPT, GPTConfig
     >>> report = dry_run(lambda: GPT(GPTConfig(dim=4096, n_layers=32, n_heads=32,
@@ -35,7 +43,7 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DryRunReport", "dry_run", "mesh_for"]
+__all__ = ["DryRunReport", "dry_run", "dry_run_plan", "mesh_for", "meta_copy"]
 
 
 @dataclass
@@ -50,6 +58,8 @@ class DryRunReport:
         counts: ``{(kind, mesh dim): count}`` of one forward and backward.
         bytes: ``{(kind, mesh dim): bytes this rank contributed}``.
         seconds: wall time of the whole dry run (process groups, model, step).
+        layout: (``dry_run_plan``) ``{"reshard_after_forward": {group: value},
+            "checkpointed": [block FQNs], "params": {group: [parameter FQNs]}}`` as built.
 
     Example:
         >>> report.counts[("reduce_scatter", "dp_shard")]
@@ -63,6 +73,42 @@ class DryRunReport:
     counts: dict = field(default_factory=dict)
     bytes: dict = field(default_factory=dict)
     seconds: float = 0.0
+    layout: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """A JSON-ready ``dict`` (``from_dict`` reads it back).
+
+        Example:
+            >>> DryRunReport.from_dict(report.to_dict()) == report
+            True
+        """
+        return {
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "mesh_shape": dict(self.mesh_shape),
+            "shard_numel": dict(self.shard_numel),
+            "collectives": [
+                [k, d, self.counts[(k, d)], self.bytes.get((k, d), 0)]
+                for (k, d) in sorted(self.counts)
+            ],
+            "seconds": self.seconds,
+            "layout": self.layout,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DryRunReport:
+        """The report of ``to_dict``'s output.
+
+        Example:
+            >>> DryRunReport.from_dict(json.loads(text)).counts
+        """
+        out = cls(int(d["world_size"]), int(d["rank"]), dict(d["mesh_shape"]))
+        out.shard_numel = {k: int(v) for k, v in d["shard_numel"].items()}
+        out.counts = {(k, dim): int(c) for k, dim, c, _ in d["collectives"]}
+        out.bytes = {(k, dim): int(b) for k, dim, _, b in d["collectives"]}
+        out.seconds = float(d["seconds"])
+        out.layout = dict(d.get("layout", {}))
+        return out
 
 
 def mesh_for(world_size: int, *, tp: int = 1, dp_replicate: int = 1):
@@ -196,17 +242,182 @@ def _sum_of_logits(model, idx):
     return logits.float().sum()
 
 
-def _shard_numel(model) -> dict:
-    """``{group name: elements of this rank's shards}`` of every ``fully_shard`` group."""
+def _shard_numel(model, blocks=None) -> dict:
+    """``{group name: elements of this rank's shards}`` of every ``fully_shard`` group,
+    named as ``planner.group_layouts`` names them (``"root"``, ``"blocks[i]"``, and
+    ``"blocks[i-j]"`` for a call on several blocks); ``blocks`` default to
+    ``model.blocks`` / ``model.layers``."""
     from fsdp2._state import states_below
 
-    blocks = getattr(model, "blocks", None) or getattr(model, "layers", None)
+    if blocks is None:
+        blocks = getattr(model, "blocks", None) or getattr(model, "layers", None)
     index = {id(b): i for i, b in enumerate(blocks or [])}
     out = {}
     for state in states_below([model]):
         if state.group is None:
             continue
-        m = state.modules[0]
-        name = "root" if m is model else f"blocks[{index[id(m)]}]"
+        if state.modules[0] is model:
+            name = "root"
+        else:
+            where = sorted(index[id(m)] for m in state.modules)
+            lo, hi = where[0], where[-1]
+            name = f"blocks[{lo}]" if lo == hi else f"blocks[{lo}-{hi}]"
         out[name] = sum(p.local.numel() for p in state.group.params)
     return out
+
+
+# ---------------------------------------------------------------------------- plans
+def meta_copy(model):
+    """A copy of ``model`` on the meta device, made without copying any parameter or
+    buffer data (each is replaced by a meta tensor of its shape and dtype before the deep
+    copy; tied parameters stay tied).
+
+    Example:
+        >>> copy = meta_copy(model)                  # model on a GPU: nothing allocated
+        >>> copy.head.weight.device
+        device(type='meta')
+    """
+    import copy
+
+    from torch import nn
+
+    memo: dict = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in memo:
+            continue
+        meta = torch.empty_like(t, device="meta")
+        if isinstance(t, nn.Parameter):
+            meta = nn.Parameter(meta, requires_grad=t.requires_grad)
+        memo[id(t)] = meta
+    return copy.deepcopy(model, memo)
+
+
+def build_on_meta(build_model):
+    """The model of ``build_model`` on meta: a callable (called under
+    ``torch.device("meta")``), a ``"module:function"`` string naming one, or a module
+    (copied to meta with ``meta_copy``).
+
+    Raises:
+        ValueError: a string that does not name an importable callable.
+        TypeError: anything else.
+
+    Example:
+        >>> build_on_meta("examples.gpt_builders:gpt_7b")
+    """
+    from torch import nn
+
+    if isinstance(build_model, nn.Module):
+        return meta_copy(build_model)
+    if isinstance(build_model, str):
+        build_model = import_builder(build_model)
+    if not callable(build_model):
+        raise TypeError(
+            "dry run: build_model must be a callable returning the model, a "
+            f"'module:function' string or a module, got {type(build_model).__name__}."
+        )
+    try:
+        with torch.device("meta"):
+            model = build_model()
+    except Exception as e:
+        raise RuntimeError(
+            f"dry run: build_model ({getattr(build_model, '__qualname__', build_model)!r}) "
+            f"raised {type(e).__name__}: {e}. It is called with no arguments under "
+            'torch.device("meta") and must return the model.'
+        ) from e
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"dry run: build_model returned {type(model).__name__}, not an nn.Module.")
+    return model
+
+
+def import_builder(spec: str):
+    """The callable ``"package.module:function"`` names (``function`` may be dotted).
+
+    Raises:
+        ValueError: not of that form, not importable, or not callable.
+
+    Example:
+        >>> import_builder("examples.gpt:GPT")
+        <class 'examples.gpt.GPT'>
+    """
+    import importlib
+
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(
+            f"build_model={spec!r}: expected 'package.module:function' (a callable that "
+            "builds the model, importable in a fresh process)."
+        )
+    try:
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(
+            f"build_model={spec!r} is not importable ({e}); name a module-level function "
+            "on the Python path."
+        ) from None
+    if not callable(obj):
+        raise ValueError(f"build_model={spec!r} names {type(obj).__name__}, not a callable.")
+    return obj
+
+
+def dry_run_plan(
+    plan, build_model, *, rank: int = 0, tp_plan: dict | None = None, loss_fn=None
+) -> DryRunReport:
+    """Run ``plan`` (an ``fsdp2.auto.AutoPlan``) for rank ``rank`` of a simulated world of
+    the plan's size: the model built on meta, laid out by ``plan.apply`` over a mesh of
+    the plan's shape and dim names on the fake process group, one forward and backward
+    at the plan's micro-batch and sequence length under ``CommDebugMode``.
+
+    Args:
+        plan: the plan.
+        build_model: a callable returning the model (called under meta), a
+            ``"module:function"`` string naming one, or the model (copied to meta).
+        rank: the simulated rank to play.
+        tp_plan: with tensor parallelism, the ``parallelize_module`` plan (default:
+            ``tp_plan_for(model)``, as ``plan.apply``).
+        loss_fn: ``loss_fn(model, idx) -> loss`` (default: the sum of the logits).
+
+    Raises:
+        RuntimeError: a process group already exists here (run it in a fresh process).
+        ValueError: a rank outside the world, or a model that is not the plan's.
+
+    Example:
+        >>> report = dry_run_plan(plan, lambda: GPT(cfg), rank=63)
+        >>> report.shard_numel, report.counts
+    """
+    _require_no_process_group()
+    if not isinstance(rank, int) or not 0 <= rank < plan.world_size:
+        raise ValueError(
+            f"dry_run_plan: rank must be in [0, {plan.world_size}) for the plan's world, "
+            f"got {rank!r}."
+        )
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from device_mesh import init_device_mesh
+    from fsdp2.auto._apply import built_groups, is_checkpointed
+
+    t0 = time.perf_counter()
+    model = build_on_meta(build_model)
+    shape, names = tuple(plan.mesh_shape), tuple(plan.mesh_dim_names)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
+    try:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        plan.apply(model, mesh, tp_plan=tp_plan, check=False)
+        report = DryRunReport(plan.world_size, rank, dict(zip(names, shape, strict=True)))
+        built = built_groups(plan, model)
+        report.shard_numel = {name: g["numel"] for name, g in built.items()}
+        report.layout = {
+            "reshard_after_forward": {n: g["reshard_after_forward"] for n, g in built.items()},
+            "checkpointed": [f for f in plan.blocks if is_checkpointed(model.get_submodule(f))],
+            "params": {n: g["params"] for n, g in built.items()},
+        }
+        report.counts, report.bytes = _step_collectives(
+            model, loss_fn, plan.batch_size, max(plan.seq_len, 1)
+        )
+    finally:
+        dist.destroy_process_group()
+    report.seconds = time.perf_counter() - t0
+    logger.info("dry run of the plan at rank %d of %d took %.1f s", rank, plan.world_size,
+                report.seconds)  # fmt: skip
+    return report

@@ -127,6 +127,7 @@ class Hardware:
         host_optimizer: parameters/s the optimizer step updates on the host under offload.
         overlap: whether FSDP's collectives overlap compute (separate streams and copy
             engines on GPUs); on a CPU the same cores do both, so they add up.
+        offload_allocator_factor: the same under CPU offload (None: ``allocator_factor``).
         allocator_factor: what the allocator holds at the peak over the live tensor bytes
             the model predicts (the CUDA caching allocator's reserved bytes; on CPU the
             resident set above the process's baseline), measured.
@@ -151,6 +152,7 @@ class Hardware:
     host_optimizer: float = 1e9
     overlap: bool = True
     allocator_factor: float = 1.0
+    offload_allocator_factor: float | None = None
 
     def speed(self, dtype: torch.dtype) -> float:
         """How fast a step computing in ``dtype`` runs, relative to ``flops``.
@@ -166,9 +168,10 @@ class Hardware:
 #: H100 SXM: 989 TFLOP/s dense bf16 at 40% MFU (fp32 as TF32, half of it), NVLink 4
 #: (450 GB/s each way), one 400 Gb/s InfiniBand NIC per GPU (50 GB/s), 8 GPUs a node,
 #: 81,559 MiB. Under CPU offload: 25 GB/s over PCIe and the host's AdamW at about 1e9
-#: parameters/s, and the caching allocator reserving up to 1.35x the live bytes (both seen
-#: on an H200 by benchmarks/gpu_check.py: 0.70B parameters, offload 1.04 s a step against
-#: 0.13 s; reserved / allocated 1.11-1.34).
+#: parameters/s, and the caching allocator reserving up to 1.35x the live bytes, 1.55x under
+#: offload (seen on an H200 by benchmarks/gpu_check.py: 0.70B parameters, offload 1.04 s a
+#: step against 0.13 s; reserved / allocated 1.11-1.34; an auto-plan's offload run on an
+#: H100 reserved 1.52x).
 H100 = Hardware(
     "H100 SXM (NVLink 450 GB/s, IB 50 GB/s)",
     989e12,
@@ -179,6 +182,7 @@ H100 = Hardware(
     81559 << 20,
     dtype_speed=(("fp32", 0.5),),
     allocator_factor=1.35,
+    offload_allocator_factor=1.55,
 )
 #: This kind of machine: gloo over loopback on a couple of shared cores (about 20 GFLOP/s a
 #: rank in fp32 and 2 GB/s between processes, measured by benchmarks/train_bench.py's step
@@ -914,7 +918,12 @@ class Estimate:
         """What the allocator is expected to hold at the peak (the CUDA caching allocator's
         reserved bytes; on CPU the resident set above the process's baseline): the live
         peak times the hardware's measured ``allocator_factor``."""
-        factor = self.hardware.allocator_factor if self.hardware is not None else 1.0
+        hw = self.hardware
+        if hw is None:
+            return self.peak_bytes
+        factor = hw.allocator_factor
+        if self.config.offload and hw.offload_allocator_factor is not None:
+            factor = hw.offload_allocator_factor
         return int(self.peak_bytes * factor)
 
 

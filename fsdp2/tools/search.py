@@ -115,14 +115,18 @@ class SearchResult:
     fits: list[Estimate] = field(default_factory=list)
 
 
-def default_margin(hardware: Hardware) -> float:
-    """The margin the search holds a layout to by default ([Note: fitting with a margin]).
+def default_margin(hardware: Hardware, *, offload: bool = False) -> float:
+    """The margin the search holds a layout to by default ([Note: fitting with a margin]):
+    the allocator's measured overhead, larger under CPU offload (its staging copies).
 
     Example:
-        >>> default_margin(H100)
-        0.35
+        >>> default_margin(H100), default_margin(H100, offload=True)
+        (0.35, 0.55)
     """
-    return round(max(hardware.allocator_factor - 1.0, 0.0), 4)
+    factor = hardware.allocator_factor
+    if offload and hardware.offload_allocator_factor is not None:
+        factor = hardware.offload_allocator_factor
+    return round(max(factor - 1.0, 0.0), 4)
 
 
 def search_layouts(
@@ -168,23 +172,17 @@ def search_layouts(
         (0, 1)
     """
     _check_args(world_size, budget_bytes, margin, offload)
-    margin = default_margin(hardware) if margin is None else float(margin)
+    asked = margin
     global_batch = global_batch or world_size
     tiers = _tiers(hardware, param_dtypes, offload)
     considered: list[Estimate] = []
     for label, base in tiers:
         base = replace(base, world_size=world_size, optimizer=optimizer)
+        margin = default_margin(hardware, offload=base.offload) if asked is None else float(asked)
+        layouts = _layouts(profile, base, hardware, global_batch, tp_degrees, replicate_degrees,
+                           blocks_per_group)  # fmt: skip
         found = [
-            _fewest_checkpointed(profile, cfg, hardware, budget_bytes, margin)
-            for cfg in _layouts(
-                profile,
-                base,
-                hardware,
-                global_batch,
-                tp_degrees,
-                replicate_degrees,
-                blocks_per_group,
-            )  # fmt: skip
+            _fewest_checkpointed(profile, cfg, hardware, budget_bytes, margin) for cfg in layouts
         ]
         considered += found
         fits = sorted((e for e in found if _fits(e, budget_bytes, margin)), key=speed_then_memory)
