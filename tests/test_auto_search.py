@@ -143,3 +143,24 @@ def test_hugging_face_llama_from_a_config():
     result = _search(profile, 4, 1 << 40)
     assert profile.n_blocks == 3 and result.best.config.world_size == 4
     assert {e.config.tp for e in result.considered} >= {1, 2, 4}
+
+
+def test_cli_apply_check_dry_runs_the_chosen_plan():
+    """``python -m fsdp2.plan --apply-check``: the search's plan, its calls, and a dry run at
+    64 simulated ranks beside it (a fresh process: the dry run needs one without a group)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    argv = ["--model", "gpt", "--params", "1e8", "--world-size", "64", "--gpu-memory", "3GiB",
+            "--seq-len", "1024", "--apply-check"]  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "fsdp2.plan", *argv],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "AutoPlan:" in out.stdout and "fully_shard(model" in out.stdout
+    assert "plan vs dry run at 64 simulated ranks" in out.stdout
+    assert "plan holds at simulated ranks [0, 63] of 64" in out.stdout
+    assert " NO " not in out.stdout

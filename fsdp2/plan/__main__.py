@@ -78,6 +78,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--replicate", type=int, default=None, help="only this HSDP replica count")
     p.add_argument("--ac", action="store_true", help="only layouts with activation checkpointing")
     p.add_argument("--top", type=int, default=12, help="rows to show")
+    p.add_argument("--auto", action="store_true",
+                   help="search block by block (checkpointing, keep-last, dtypes, offload as a "
+                        "last resort) and print the chosen layout as fsdp2.auto_parallelize "
+                        "would apply it")  # fmt: skip
+    p.add_argument("--apply-check", action="store_true",
+                   help="with --auto: dry-run the chosen plan at --world-size on the fake "
+                        "process group and print the plan and what the library built side "
+                        "by side")  # fmt: skip
+    p.add_argument("--margin", type=float, default=None,
+                   help="--auto: fit peak * (1 + margin) in the budget (default: the "
+                        "hardware's measured allocator overhead)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -264,6 +275,76 @@ def _collectives_table(best) -> Table:
     return comm
 
 
+def auto_plan(args, console, profile, model, tp_plan, hw, budget) -> int:
+    """``--auto`` / ``--apply-check``: the search's choice as an ``AutoPlan`` (its table and
+    the calls that apply it) and, with ``--apply-check``, a dry run of it at the world size
+    beside the plan. Returns the exit code (1: nothing fits, or the dry run differs)."""
+    from fsdp2.auto import AutoPlan, verify_plan
+    from fsdp2.tools.search import NothingFitsError, search_layouts
+
+    if budget is None:
+        console.print("[red]error:[/red] --auto needs a budget: --gpu-memory")
+        return 2
+    _master, param_dtype, reduce_dtype = precision(args)
+    try:
+        result = search_layouts(
+            profile,
+            args.world_size,
+            budget,
+            hardware=hw,
+            global_batch=args.global_batch,
+            margin=args.margin,
+            tp_degrees=(args.tp,) if args.tp else None,
+            replicate_degrees=[args.replicate] if args.replicate else None,
+            param_dtypes=[(param_dtype, reduce_dtype)],
+            offload=True if args.offload else "last-resort",
+            optimizer=args.optimizer,
+        )
+    except (NothingFitsError, ValueError) as e:
+        console.print(f"[red]{e}[/red]", highlight=False)
+        return 1
+    plan = AutoPlan.from_estimate(
+        result.best, profile, budget=budget, margin=result.margin, considered=result.considered
+    )
+    console.print(str(plan), markup=False, highlight=False, soft_wrap=True)
+    console.print("\n# the calls that apply it (plan.calls())", style="dim")
+    console.print("\n".join(plan.calls()), markup=False, highlight=False, soft_wrap=True)
+    if not args.apply_check:
+        return 0
+    check = verify_plan(plan, model, world_size=args.world_size, tp_plan=tp_plan)
+    console.print(_check_table(plan, check))
+    style = "green" if check.ok else "red"
+    console.print(check.summary(), style=style, markup=False, highlight=False)
+    return 0 if check.ok else 1
+
+
+def _check_table(plan, check) -> Table:
+    """The plan's collectives and shard sizes beside what the dry run built and issued."""
+    table = Table(title=f"plan vs dry run at {plan.world_size} simulated ranks")
+    for col in ("what", "plan", *(f"dry run, rank {r.rank}" for r in check.reports), "agree"):
+        table.add_column(col, justify="left" if col == "what" else "right")
+    for (kind, dim), (count, nbytes) in sorted(plan.collectives.items()):
+        seen = [
+            f"{r.counts.get((kind, dim), 0)} / {r.bytes.get((kind, dim), 0) / 2**20:,.1f} MiB"
+            for r in check.reports
+        ]
+        same = all(
+            (r.counts.get((kind, dim), 0), r.bytes.get((kind, dim), 0)) == (count, nbytes)
+            for r in check.reports
+        )
+        table.add_row(f"{kind} ({dim})", f"{count} / {nbytes / 2**20:,.1f} MiB", *seen,
+                      "yes" if same else "NO")  # fmt: skip
+    wanted = {r.rank: plan.shard_numel_for(r.rank) for r in check.reports}
+    for g in plan.groups:
+        cells = [
+            f"{r.shard_numel.get(g.name, 0):,} of {wanted[r.rank][g.name]:,}" for r in check.reports
+        ]
+        same = all(r.shard_numel.get(g.name) == wanted[r.rank][g.name] for r in check.reports)
+        table.add_row(f"shard elements of {g.name}", f"{g.shard_numel:,} (rank 0)", *cells,
+                      "yes" if same else "NO")  # fmt: skip
+    return table
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     console = Console(width=max(Console().width, 120))
@@ -282,6 +363,9 @@ def main(argv=None) -> int:
     hw = hardware_of(args)
     budget = budget if budget is not None else hw.memory
     profile = profile_model(model, seq_len=args.seq_len, tp_plan=tp_plan)
+    if args.auto or args.apply_check:
+        _print_header(console, label, args, hw, budget)
+        return auto_plan(args, console, profile, model, tp_plan, hw, budget)
     fits, too_big = _rank(args, profile, hw, budget)
     _print_header(console, label, args, hw, budget)
     if not fits and not too_big:
