@@ -137,7 +137,7 @@ def render_table(plan) -> str:
     cfg = plan.config
     mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.mesh_dim_names, plan.mesh_shape))
     margin = "-" if plan.margin is None else f"{plan.margin:.0%}"
-    dtypes = "none"
+    dtypes = "the parameters' own dtype (no mixed precision)"
     if plan.mp_policy() is not None:
         dtypes = (
             f"param {_SHORT.get(plan.param_dtype, 'own')}, "

@@ -1169,6 +1169,7 @@ class _StepMemory:
         )
         self.rest = _state_at_rest(profile, cfg, groups, device, offloaded)
         self.acts = _activations(profile, cfg, compute)
+        self.tp_workspace = self._tp_workspace(profile, compute)
         # the group whose gathers size the buffers: the largest block
         self.ref = max(self.blocks, key=lambda g: g.unsharded_numel) if self.blocks else self.root
         self.root_u = self.g.unsharded(self.root)
@@ -1196,7 +1197,30 @@ class _StepMemory:
             "optimizer_state": self.rest.optimizer_state,
             "temporaries": self.rest.step_temporaries,
         }
+        if self.tp_workspace:  # kept from step to step: there at every moment
+            for cats in phases.values():
+                cats["comm_buffers"] = cats.get("comm_buffers", 0) + self.tp_workspace
         return phases
+
+    def _tp_workspace(self, profile: ModelProfile, compute: torch.dtype) -> int:
+        """The buffers tensor parallelism's collective workspace keeps on a CPU
+        ([Note: collective workspace] in ``dtensor/_workspace.py``): measured on gloo with
+        the GPT's sequence-parallel plan, three full activations of the micro-batch (four
+        when blocks are checkpointed) and two fp32 logits, whatever the depth, within the
+        workspace's budget; none on a GPU (the workspace keeps host buffers only)."""
+        cfg = self.cfg
+        if cfg.tp == 1 or not self.g.gloo:
+            return 0
+        from dtensor._workspace import DEFAULT_BUDGET, MAX_BYTES, MIN_BYTES
+
+        def kept(nbytes: int) -> int:  # the workspace keeps buffers of these sizes only
+            return nbytes if MIN_BYTES <= nbytes <= MAX_BYTES else 0
+
+        tokens = cfg.batch_size * profile.seq_len
+        full = kept(tokens * profile.hidden * compute.itemsize)
+        logits = kept(tokens * _vocab_size(profile.model) * 4)
+        n_full = 4 if cfg.checkpointed(profile.n_blocks) else 3
+        return min(n_full * full + 2 * logits, DEFAULT_BUDGET)
 
     def forward_moments(self) -> dict:
         """The end of forward, and the start of backward (the loss's gradient)."""

@@ -276,10 +276,12 @@ def _layouts(profile, base, hardware, global_batch, tp_degrees, replicate_degree
         for rep in replicate_degrees or _replicas(dp, tp, hardware):
             if dp % rep or (rep > 1 and dp // rep < 2):
                 continue
-            for k in groupings:
+            trivial = dp // rep == 1  # nothing sharded: grouping and resharding change nothing
+            for k in groupings[:1] if trivial else groupings:
                 if k > profile.n_blocks:
                     continue
-                for raf, keep in _reshard_modes(k, profile.n_blocks):
+                modes = _reshard_modes(k, profile.n_blocks)
+                for raf, keep in modes[:1] if trivial else modes:
                     yield replace(
                         base,
                         tp=tp,
