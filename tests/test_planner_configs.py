@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
-from fsdp2.plan._advice import nothing_fits_advice, offload_host_memory  # noqa: E402
 from fsdp2.plan._models import build_model  # noqa: E402
 from fsdp2.tools._meta_attention import fused_attention_on_meta  # noqa: E402
+from fsdp2.tools.advice import nothing_fits_advice, offload_host_memory  # noqa: E402
 from fsdp2.tools.planner import H100, PlanConfig, estimate, profile_model  # noqa: E402
 
 # The published config.json values (the fields that size the model).

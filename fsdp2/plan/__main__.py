@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fsdp2.plan import build_model
-from fsdp2.plan._advice import nothing_fits_advice
+from fsdp2.tools.advice import nothing_fits_advice
 from fsdp2.tools.planner import (
     CATEGORIES,
     CPU,

@@ -77,7 +77,7 @@ class NothingFitsError(ValueError):
             f"nothing fits: the smallest predicted peak is {fmt_bytes(smallest.peak_bytes)} "
             f"({smallest.config.describe()}), {fmt_bytes(need)} with the {margin:.0%} margin, "
             f"over the budget of {fmt_bytes(budget)} a rank. "
-            f"What would fit:{lines or ' nothing the planner models.'}"
+            f"What each change would do:{lines or ' nothing the planner models helps.'}"
         )
 
 
@@ -343,55 +343,20 @@ def _fewest_checkpointed(profile, cfg, hardware, budget, margin) -> Estimate:
 
 
 def _advice(profile, smallest: Estimate, budget: int, margin: float, hw: Hardware) -> list[str]:
-    """What would make the smallest layout fit: offload, lower precision, more ranks."""
-    cfg = smallest.config
-    out = []
-    tries = []
-    if not cfg.offload and hw.device != "cpu":
-        tries.append(("CPU offload (offload=True)", replace(cfg, offload=True)))
-    if cfg.param_dtype in (None, torch.float32):
-        tries.append(
-            (
-                "bf16 parameters",
-                replace(cfg, param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-            )
-        )
-    for label, alt in tries:
-        est = estimate(profile, alt, hw)
-        verdict = "fits" if _fits(est, budget, margin) else "does not fit"
-        extra = ""
-        if alt.offload:
-            host = host_bytes(est)
-            extra = (
-                f"; the host then holds {fmt_bytes(host)} a rank, "
-                f"{fmt_bytes(host * hw.devices_per_node)} a node of {hw.devices_per_node}"
-            )
-        out.append(f"{label}: peak {fmt_bytes(est.peak_bytes)}, {verdict}{extra}")
-    world = cfg.world_size
-    for factor in (2, 4, 8, 16, 32, 64):
-        alt = replace(cfg, world_size=world * factor)
-        est = estimate(profile, alt, hw)
-        if _fits(est, budget, margin):
-            out.append(
-                f"{world * factor} ranks ({factor}x): peak {fmt_bytes(est.peak_bytes)} with "
-                f"{alt.describe()}"
-            )
-            break
-    if not cfg.checkpointed(profile.n_blocks) == frozenset(range(profile.n_blocks)):
-        out.append("activation checkpointing on every block (the search stopped short of it)")
-    return out
+    """What would make the smallest layout fit (``fsdp2.tools.advice``), without its first
+    line, which the error's message says already."""
+    from fsdp2.tools.advice import nothing_fits_advice
+
+    return nothing_fits_advice(profile, smallest, budget, hw, margin=margin)[1:]
 
 
 def host_bytes(est: Estimate) -> int:
     """Host memory one rank needs under CPU offload: its parameter and gradient shards and
-    the optimizer state (two tensors per trained element for AdamW, one for SGD).
+    the optimizer state (``fsdp2.tools.advice.offload_host_memory``, per rank).
 
     Example:
         >>> host_bytes(estimate(profile, PlanConfig(world_size=64, offload=True))) / 2**30
     """
-    from fsdp2.tools.planner import _OPTIMIZER_STATES
+    from fsdp2.tools.advice import offload_host_memory
 
-    states = _OPTIMIZER_STATES[est.config.optimizer]
-    return sum(
-        (g.shard_numel + g.trained_shard_numel * (1 + states)) * g.itemsize for g in est.groups
-    )
+    return offload_host_memory(est, hardware=est.hardware or H100).per_rank

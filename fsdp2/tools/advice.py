@@ -1,4 +1,5 @@
-"""What ``python -m fsdp2.plan`` suggests when no layout fits the memory budget.
+"""What would make a layout fit when none does: the advice of ``python -m fsdp2.plan`` and of
+``fsdp2.tools.search.NothingFitsError`` (so of ``fsdp2.auto_parallelize``).
 
 Every suggestion is evaluated on the smallest layout (the one with the lowest predicted
 peak), changing one thing at a time, and offered only where it is not already in use and
@@ -25,7 +26,6 @@ from fsdp2.tools.planner import (
     Estimate,
     Hardware,
     ModelProfile,
-    _trains,
     estimate,
 )
 
@@ -86,7 +86,7 @@ def offload_host_memory(est: Estimate, *, hardware: Hardware) -> HostMemory:
         True
     """
     params = sum(g.shard_numel * g.itemsize for g in est.groups)
-    trained = sum(g.shard_numel * g.itemsize for g in est.groups if _trains(g))
+    trained = sum(g.trained_shard_numel * g.itemsize for g in est.groups)
     states = _OPTIMIZER_STATES[est.config.optimizer] * trained
     ranks = max(1, min(hardware.devices_per_node, est.config.world_size))
     return HostMemory(params, trained, states, ranks)
@@ -99,6 +99,7 @@ def smallest_fitting_world_size(
     hardware: Hardware,
     *,
     limit: int = MAX_WORLD_SIZE,
+    margin: float = 0.0,
 ) -> Estimate | None:
     """The estimate of ``cfg`` at the smallest world size above ``cfg.world_size`` whose
     peak fits ``budget``: the same tensor parallelism and replicas and the same micro-batch
@@ -112,6 +113,7 @@ def smallest_fitting_world_size(
         >>> est.config.world_size if est else "no world size fits"
     """
     step = cfg.tp * cfg.dp_replicate
+    budget = int(budget / (1 + margin))  # the peak a fit may reach
 
     def at(world: int) -> Estimate:
         return estimate(profile, replace(cfg, world_size=world), hardware)
@@ -140,13 +142,15 @@ def smallest_fitting_world_size(
 
 
 def _gib(n: float) -> str:
-    return f"{n / _GIB:.1f} GiB"
+    """``n`` bytes in GiB, or in MiB below one GiB."""
+    return f"{n / _GIB:.1f} GiB" if abs(n) >= _GIB else f"{n / (1 << 20):.1f} MiB"
 
 
-def _verdict(est: Estimate, budget: int) -> str:
-    if est.peak_bytes <= budget:
+def _verdict(est: Estimate, budget: int, margin: float = 0.0) -> str:
+    need = est.peak_bytes * (1 + margin)
+    if need <= budget:
         return f"fits ({_gib(est.peak_bytes)})"
-    return f"still {_gib(est.peak_bytes)}, {_gib(est.peak_bytes - budget)} over"
+    return f"still {_gib(est.peak_bytes)}, {_gib(need - budget)} over"
 
 
 def _bf16_master(profile: ModelProfile) -> ModelProfile:
@@ -165,6 +169,7 @@ def nothing_fits_advice(
     hardware: Hardware,
     *,
     max_world_size: int = MAX_WORLD_SIZE,
+    margin: float = 0.0,
 ) -> list[str]:
     """Lines of advice when no layout fits: for the smallest layout ``smallest`` (the
     lowest peak of ``rank_configs``' ``too_big``), each change it does not already use,
@@ -173,7 +178,8 @@ def nothing_fits_advice(
     (:func:`offload_host_memory`); bf16 master weights (when they are wider); one sequence
     per rank (when it has more); those together; and the smallest world size that fits
     (:func:`smallest_fitting_world_size`), as is or with the changes. A change that does
-    not lower the peak is not suggested; one already in use is said to be.
+    not lower the peak is not suggested; one already in use is said to be. A layout fits
+    when ``peak * (1 + margin) <= budget``.
 
     Example:
         >>> for line in nothing_fits_advice(profile, too_big[0], 20 * 2**30, H100):
@@ -185,8 +191,10 @@ def nothing_fits_advice(
     cfg = smallest.config
     lines = [
         f"the smallest peak, {_gib(smallest.peak_bytes)} ({cfg.describe()}, at "
-        f"{smallest.peak_phase}), is {_gib(smallest.peak_bytes - budget)} over the budget "
-        f"of {_gib(budget)}; by category: "
+        f"{smallest.peak_phase}), is {_gib(smallest.peak_bytes * (1 + margin) - budget)} over "
+        f"the budget of {_gib(budget)}"
+        + (f" with the {margin:.0%} margin" if margin else "")
+        + "; by category: "
         + ", ".join(
             f"{k} {_gib(v)}"
             for k, v in sorted(smallest.categories.items(), key=lambda kv: -kv[1])
@@ -200,7 +208,7 @@ def nothing_fits_advice(
     def consider(label: str, est: Estimate, fields: dict, note: str = "") -> None:
         lowers = est.peak_bytes < smallest.peak_bytes
         if lowers or note:
-            lines.append(f"{label}: {_verdict(est, budget)}{note}")
+            lines.append(f"{label}: {_verdict(est, budget, margin)}{note}")
         if lowers:
             changes.update(fields)
             helped.append(label.split(" (")[0])
@@ -246,10 +254,14 @@ def nothing_fits_advice(
     together_fits = False
     if helped:
         est = estimate(changed, together, hardware)
-        together_fits = est.peak_bytes <= budget
+        together_fits = est.peak_bytes * (1 + margin) <= budget
         if len(helped) > 1:
-            lines.append(f"all of these together ({', '.join(helped)}): {_verdict(est, budget)}")
-    more = smallest_fitting_world_size(profile, cfg, budget, hardware, limit=max_world_size)
+            lines.append(
+                f"all of these together ({', '.join(helped)}): {_verdict(est, budget, margin)}"
+            )
+    more = smallest_fitting_world_size(
+        profile, cfg, budget, hardware, limit=max_world_size, margin=margin
+    )
     if more is not None:
         lines.append(
             f"more ranks: {more.config.world_size} ranks fit ({more.config.describe()}, "
@@ -262,7 +274,7 @@ def nothing_fits_advice(
         )
         if helped and not together_fits:
             more = smallest_fitting_world_size(
-                changed, together, budget, hardware, limit=max_world_size
+                changed, together, budget, hardware, limit=max_world_size, margin=margin
             )
             if more is not None:
                 line += (
