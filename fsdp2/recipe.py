@@ -145,7 +145,9 @@ def _check_divisible(model: nn.Module, tp: int) -> None:
     cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
     if cfg is None:
         return
-    for name in ("dim", "hidden_size", "n_heads", "num_heads", "num_attention_heads"):
+    names = ("dim", "hidden_size", "n_heads", "num_heads", "num_attention_heads",
+             "num_key_value_heads", "n_kv_heads")  # fmt: skip
+    for name in names:
         value = getattr(cfg, name, None)
         if isinstance(value, int) and value % tp:
             raise ValueError(

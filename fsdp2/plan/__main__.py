@@ -5,7 +5,8 @@
     python -m fsdp2.plan --model gpt --params 7e9 --world-size 64 --tp 8 --ac   # one layout
 
 Prints the layouts that fit, fastest first (predicted step time), with each one's peak
-memory by category, and a breakdown of the best one; when none fits, what would (``_advice``).
+memory by category, and a breakdown of the best one; when none fits, what would
+(``fsdp2.tools.advice``).
 Weights, gradients and optimizer state are planned in the master dtype (``--master-dtype``,
 fp32 by default, whatever a config's ``torch_dtype`` says), compute in ``--dtype``.
 Assumptions (H100 SXM, NVLink 450 GB/s, InfiniBand 50 GB/s per GPU, 40% MFU) are options.

@@ -146,6 +146,19 @@ def _gib(n: float) -> str:
     return f"{n / _GIB:.1f} GiB" if abs(n) >= _GIB else f"{n / (1 << 20):.1f} MiB"
 
 
+#: How each change is spelled on the command line and in Python.
+_SPELLING = {
+    "cli": {"ac": "--ac", "offload": "--offload", "master": "--master-dtype bf16",
+            "batch": "--global-batch {}"},
+    "api": {"ac": "checkpointed blocks", "offload": "offload=True",
+            "master": "the model in bf16: model.to(torch.bfloat16)", "batch": "batch={}"},
+}  # fmt: skip
+
+
+def _spell(how: str, change: str, *args) -> str:
+    return _SPELLING[how][change].format(*args)
+
+
 def _verdict(est: Estimate, budget: int, margin: float = 0.0) -> str:
     need = est.peak_bytes * (1 + margin)
     if need <= budget:
@@ -170,6 +183,7 @@ def nothing_fits_advice(
     *,
     max_world_size: int = MAX_WORLD_SIZE,
     margin: float = 0.0,
+    how: str = "cli",
 ) -> list[str]:
     """Lines of advice when no layout fits: for the smallest layout ``smallest`` (the
     lowest peak of ``rank_configs``' ``too_big``), each change it does not already use,
@@ -179,7 +193,9 @@ def nothing_fits_advice(
     per rank (when it has more); those together; and the smallest world size that fits
     (:func:`smallest_fitting_world_size`), as is or with the changes. A change that does
     not lower the peak is not suggested; one already in use is said to be. A layout fits
-    when ``peak * (1 + margin) <= budget``.
+    when ``peak * (1 + margin) <= budget``. ``how`` names each change as the command line
+    spells it (``"cli"``: ``--offload``) or as Python code does (``"api"``:
+    ``offload=True``).
 
     Example:
         >>> for line in nothing_fits_advice(profile, too_big[0], 20 * 2**30, H100):
@@ -218,7 +234,7 @@ def nothing_fits_advice(
     else:
         fields = {"activation_checkpointing": True, "checkpointed_blocks": None}
         est = estimate(profile, replace(cfg, **fields), hardware)
-        consider("activation checkpointing (--ac)", est, fields)
+        consider(f"activation checkpointing ({_spell(how, 'ac')})", est, fields)
     if hardware.device != "cpu":  # a CPU compute device ignores offload
         host = offload_host_memory(smallest, hardware=hardware)
         held = (
@@ -230,13 +246,13 @@ def nothing_fits_advice(
             lines.append(f"CPU offload is already on: {held}")
         else:
             est = estimate(profile, replace(cfg, offload=True), hardware)
-            consider("CPU offload (--offload)", est, {"offload": True}, f"; {held}")
+            consider(f"CPU offload ({_spell(how, 'offload')})", est, {"offload": True}, f"; {held}")
     if any(p.dtype.itemsize > 2 for p in profile.params if p.dtype.is_floating_point):
         bf16 = _bf16_master(profile)
         fields = {"param_dtype": None if cfg.param_dtype == torch.bfloat16 else cfg.param_dtype}
         est = estimate(bf16, replace(cfg, **fields), hardware)
         consider(
-            "bf16 master weights (--master-dtype bf16: weights, gradients and optimizer state "
+            f"bf16 master weights ({_spell(how, 'master')}: weights, gradients and optimizer state "
             "in bf16, no fp32 copy)",
             est,
             fields,
@@ -246,7 +262,7 @@ def nothing_fits_advice(
     if cfg.batch_size > 1:
         est = estimate(profile, replace(cfg, batch_size=1), hardware)
         consider(
-            f"one sequence a rank instead of {cfg.batch_size} (--global-batch {cfg.dp})",
+            f"one sequence a rank instead of {cfg.batch_size} ({_spell(how, 'batch', cfg.dp)})",
             est,
             {"batch_size": 1},
         )

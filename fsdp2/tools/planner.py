@@ -100,6 +100,7 @@ __all__ = [
     "parse_bytes",
     "peak_bytes",
     "speed_then_memory",
+    "tp_splits",
 ]
 
 GiB = 1 << 30
@@ -1517,10 +1518,13 @@ def _block_params(profile: ModelProfile, block: int) -> int:
 def _offload_seconds(est: Estimate, cfg: PlanConfig, hw: Hardware) -> float:
     """CPU offload's share of a step: the parameter shards copied to the device for every
     all-gather, the gradient shards copied back, and the optimizer step on the host."""
-    shards = sum(g.shard_numel * g.itemsize for g in est.groups)
     trained = sum(g.trained_shard_numel for g in est.groups)
-    gathers = 2 if cfg.reshard_after_forward else 1
-    copies = gathers * shards + sum(g.trained_shard_numel * g.itemsize for g in est.groups)
+    blocks = [g for g in est.groups if g.name != "root"]
+    gathered = sum(g.shard_numel * g.itemsize for g in est.groups)
+    again = sum(  # the groups that reshard after forward are gathered (copied) again
+        g.shard_numel * g.itemsize for j, g in enumerate(blocks) if cfg.reshards(j, len(blocks))
+    )
+    copies = gathered + again + sum(g.trained_shard_numel * g.itemsize for g in est.groups)
     return copies / hw.host_bw + trained / hw.host_optimizer
 
 
@@ -1553,12 +1557,11 @@ def rank_configs(
     budget = budget_bytes if budget_bytes is not None else hardware.memory
     base = base or PlanConfig(world_size=world_size)
     global_batch = global_batch or world_size
-    heads = _heads(profile.model)
     out = []
     for tp in tp_degrees:
         if world_size % tp or tp > hardware.devices_per_node:
             continue
-        if tp > 1 and (not profile.tp_plan or (heads and heads % tp)):
+        if not tp_splits(profile, tp):
             continue
         dp = world_size // tp
         if global_batch % dp:
@@ -1608,6 +1611,26 @@ def _heads(model) -> int | None:
         if isinstance(value, int):
             return value
     return None
+
+
+def tp_splits(profile: ModelProfile, tp: int) -> bool:
+    """Whether tensor parallelism of degree ``tp`` can lay the model out: a plan exists,
+    ``tp`` divides the attention heads and the key/value heads (grouped-query attention
+    splits by whole key/value heads) when the config names them, and the sequence (the
+    sequence-parallel shards between blocks are equal).
+
+    Example:
+        >>> tp_splits(profile, 2), tp_splits(profile, 3)
+        (True, False)
+    """
+    if tp == 1:
+        return True
+    if not profile.tp_plan or profile.seq_len % tp:
+        return False
+    cfg = _config_of(profile.model)
+    counts = [_heads(profile.model)]
+    counts += [getattr(cfg, n, None) for n in ("num_key_value_heads", "n_kv_heads")]
+    return all(c % tp == 0 for c in counts if isinstance(c, int) and c > 0)
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}

@@ -36,10 +36,10 @@ from fsdp2.tools.planner import (
     ModelProfile,
     PlanConfig,
     _divisors,
-    _heads,
     estimate,
     peak_bytes,
     speed_then_memory,
+    tp_splits,
 )
 
 logger = logging.getLogger(__name__)
@@ -265,10 +265,9 @@ def _name(dtype) -> str:
 def _layouts(profile, base, hardware, global_batch, tp_degrees, replicate_degrees, groupings):
     """Every ``PlanConfig`` of the tier ``base`` (checkpointing decided later)."""
     world = base.world_size
-    heads = _heads(profile.model)
     tps = tp_degrees or [t for t in (1, 2, 4, 8) if t <= hardware.devices_per_node]
     for tp in tps:
-        if world % tp or (tp > 1 and (not profile.tp_plan or (heads and heads % tp))):
+        if world % tp or not tp_splits(profile, tp):
             continue
         dp = world // tp
         if global_batch % dp:
@@ -347,7 +346,7 @@ def _advice(profile, smallest: Estimate, budget: int, margin: float, hw: Hardwar
     line, which the error's message says already."""
     from fsdp2.tools.advice import nothing_fits_advice
 
-    return nothing_fits_advice(profile, smallest, budget, hw, margin=margin)[1:]
+    return nothing_fits_advice(profile, smallest, budget, hw, margin=margin, how="api")[1:]
 
 
 def host_bytes(est: Estimate) -> int:
