@@ -78,6 +78,11 @@ class Workspace:
         True
     """
 
+    #: the bounds ([Note: collective workspace]), for tools that predict what one keeps
+    MIN_BYTES = MIN_BYTES
+    MAX_BYTES = MAX_BYTES
+    DEFAULT_BUDGET = DEFAULT_BUDGET
+
     def __init__(self, budget: int = DEFAULT_BUDGET) -> None:
         self.budget = budget
         self._buffers: list[KeptBuffer] = []

@@ -1212,16 +1212,16 @@ class _StepMemory:
         cfg = self.cfg
         if cfg.tp == 1 or not self.g.gloo:
             return 0
-        from dtensor._workspace import DEFAULT_BUDGET, MAX_BYTES, MIN_BYTES
+        from dtensor import Workspace
 
         def kept(nbytes: int) -> int:  # the workspace keeps buffers of these sizes only
-            return nbytes if MIN_BYTES <= nbytes <= MAX_BYTES else 0
+            return nbytes if Workspace.MIN_BYTES <= nbytes <= Workspace.MAX_BYTES else 0
 
         tokens = cfg.batch_size * profile.seq_len
         full = kept(tokens * profile.hidden * compute.itemsize)
         logits = kept(tokens * _vocab_size(profile.model) * 4)
         n_full = 4 if cfg.checkpointed(profile.n_blocks) else 3
-        return min(n_full * full + 2 * logits, DEFAULT_BUDGET)
+        return min(n_full * full + 2 * logits, Workspace.DEFAULT_BUDGET)
 
     def forward_moments(self) -> dict:
         """The end of forward, and the start of backward (the loss's gradient)."""
