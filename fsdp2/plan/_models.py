@@ -140,35 +140,49 @@ def build_model(
     if not dtype.is_floating_point:
         raise ValueError(f"fsdp2.plan: the master dtype must be a float dtype, got {dtype}.")
     if hf_config is not None:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        cfg = AutoConfig.from_pretrained(hf_config)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-        label = f"{type(model).__name__} from {hf_config}"
+        model, label = _from_hf_config(hf_config, dtype)
     elif params is None:
         raise ValueError("fsdp2.plan: give --params N (with --model) or --hf-config PATH.")
     elif kind == "gpt":
-        from examples.gpt import GPT
-
-        cfg = gpt_config_for(params, seq_len=seq_len)
-        with torch.device("meta"):
-            model = GPT(cfg).to(dtype)
-        label = (
-            f"GPT (examples/gpt.py) dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads, "
-            f"vocab {cfg.vocab_size}"
-        )
+        model, label = _gpt(params, seq_len, dtype)
     elif kind == "llama":
-        from transformers import AutoModelForCausalLM
-
-        cfg = llama_config_for(params, seq_len=max(seq_len, 4096))
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-        label = (
-            f"Llama (transformers) dim {cfg.hidden_size}, {cfg.num_hidden_layers} layers, "
-            f"ffn {cfg.intermediate_size}"
-        )
+        model, label = _llama(params, seq_len, dtype)
     else:
         raise ValueError(f"fsdp2.plan: --model must be 'gpt' or 'llama', got {kind!r}.")
     n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     return model, tp_plan_for(model), f"{label}: {n / 1e9:.2f}B parameters"
+
+
+def _from_hf_config(path: str, dtype: torch.dtype) -> tuple[nn.Module, str]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model, f"{type(model).__name__} from {path}"
+
+
+def _gpt(params: float, seq_len: int, dtype: torch.dtype) -> tuple[nn.Module, str]:
+    from examples.gpt import GPT
+
+    cfg = gpt_config_for(params, seq_len=seq_len)
+    with torch.device("meta"):
+        model = GPT(cfg).to(dtype)
+    label = (
+        f"GPT (examples/gpt.py) dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads, "
+        f"vocab {cfg.vocab_size}"
+    )
+    return model, label
+
+
+def _llama(params: float, seq_len: int, dtype: torch.dtype) -> tuple[nn.Module, str]:
+    from transformers import AutoModelForCausalLM
+
+    cfg = llama_config_for(params, seq_len=max(seq_len, 4096))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    label = (
+        f"Llama (transformers) dim {cfg.hidden_size}, {cfg.num_hidden_layers} layers, "
+        f"ffn {cfg.intermediate_size}"
+    )
+    return model, label

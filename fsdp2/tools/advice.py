@@ -204,99 +204,131 @@ def nothing_fits_advice(
         activation checkpointing is already on in this layout
         CPU offload (--offload): still 32.2 GiB, 12.2 GiB over; the host holds 15.0 GiB a rank, ...
     """
-    cfg = smallest.config
-    lines = [
-        f"the smallest peak, {_gib(smallest.peak_bytes)} ({cfg.describe()}, at "
-        f"{smallest.peak_phase}), is {_gib(smallest.peak_bytes * (1 + margin) - budget)} over "
-        f"the budget of {_gib(budget)}"
-        + (f" with the {margin:.0%} margin" if margin else "")
-        + "; by category: "
-        + ", ".join(
+    advisor = _Advisor(profile, smallest, budget, hardware, margin, how)
+    advisor.checkpointing()
+    advisor.offload()
+    advisor.bf16_master()
+    advisor.one_sequence()
+    together_fits = advisor.together()
+    advisor.more_ranks(max_world_size, together_fits)
+    logger.debug("nothing fits: %s", advisor.lines)
+    return advisor.lines
+
+
+class _Advisor:
+    """The advice of ``nothing_fits_advice``, one change at a time: ``lines`` so far, the
+    ``PlanConfig`` fields of the changes that lower the peak, their labels."""
+
+    def __init__(self, profile, smallest: Estimate, budget: int, hw, margin: float, how: str):
+        self.profile, self.smallest, self.budget, self.hw = profile, smallest, budget, hw
+        self.margin, self.how, self.cfg = margin, how, smallest.config
+        self.changes: dict = {}
+        self.helped: list[str] = []
+        self.changed = profile  # with bf16 parameters, once that helps
+        over = _gib(smallest.peak_bytes * (1 + margin) - budget)
+        by_category = ", ".join(
             f"{k} {_gib(v)}"
             for k, v in sorted(smallest.categories.items(), key=lambda kv: -kv[1])
             if v >= 0.05 * _GIB
         )
-    ]
-    changes: dict = {}  # the PlanConfig fields of the changes that lower the peak
-    helped: list[str] = []
-    changed = profile  # with bf16 parameters, once that helps
+        self.lines = [
+            f"the smallest peak, {_gib(smallest.peak_bytes)} ({self.cfg.describe()}, at "
+            f"{smallest.peak_phase}), is {over} over the budget of {_gib(budget)}"
+            + (f" with the {margin:.0%} margin" if margin else "")
+            + f"; by category: {by_category}"
+        ]
 
-    def consider(label: str, est: Estimate, fields: dict, note: str = "") -> None:
-        lowers = est.peak_bytes < smallest.peak_bytes
+    def _consider(self, label: str, est: Estimate, fields: dict, note: str = "") -> bool:
+        lowers = est.peak_bytes < self.smallest.peak_bytes
         if lowers or note:
-            lines.append(f"{label}: {_verdict(est, budget, margin)}{note}")
+            self.lines.append(f"{label}: {_verdict(est, self.budget, self.margin)}{note}")
         if lowers:
-            changes.update(fields)
-            helped.append(label.split(" (")[0])
+            self.changes.update(fields)
+            self.helped.append(label.split(" (")[0])
+        return lowers
 
-    if len(cfg.checkpointed(profile.n_blocks)) == profile.n_blocks:
-        lines.append("activation checkpointing is already on in this layout")
-    else:
+    def checkpointing(self) -> None:
+        cfg, n = self.cfg, self.profile.n_blocks
+        if len(cfg.checkpointed(n)) == n:
+            self.lines.append("activation checkpointing is already on in this layout")
+            return
         fields = {"activation_checkpointing": True, "checkpointed_blocks": None}
-        est = estimate(profile, replace(cfg, **fields), hardware)
-        consider(f"activation checkpointing ({_spell(how, 'ac')})", est, fields)
-    if hardware.device != "cpu":  # a CPU compute device ignores offload
-        host = offload_host_memory(smallest, hardware=hardware)
+        est = estimate(self.profile, replace(cfg, **fields), self.hw)
+        self._consider(f"activation checkpointing ({_spell(self.how, 'ac')})", est, fields)
+
+    def offload(self) -> None:
+        if self.hw.device == "cpu":  # a CPU compute device ignores offload
+            return
+        cfg = self.cfg
+        host = offload_host_memory(self.smallest, hardware=self.hw)
         held = (
             f"the host holds {_gib(host.per_rank)} a rank, {_gib(host.per_node)} a node of "
             f"{host.ranks_per_node} ranks (parameter shards {_gib(host.params)}, gradients "
             f"{_gib(host.grads)}, {cfg.optimizer} state {_gib(host.optimizer_state)})"
         )
         if cfg.offload:
-            lines.append(f"CPU offload is already on: {held}")
-        else:
-            est = estimate(profile, replace(cfg, offload=True), hardware)
-            consider(f"CPU offload ({_spell(how, 'offload')})", est, {"offload": True}, f"; {held}")
-    if any(p.dtype.itemsize > 2 for p in profile.params if p.dtype.is_floating_point):
-        bf16 = _bf16_master(profile)
+            self.lines.append(f"CPU offload is already on: {held}")
+            return
+        est = estimate(self.profile, replace(cfg, offload=True), self.hw)
+        label = f"CPU offload ({_spell(self.how, 'offload')})"
+        self._consider(label, est, {"offload": True}, f"; {held}")
+
+    def bf16_master(self) -> None:
+        params = self.profile.params
+        if not any(p.dtype.itemsize > 2 for p in params if p.dtype.is_floating_point):
+            return
+        cfg = self.cfg
+        bf16 = _bf16_master(self.profile)
         fields = {"param_dtype": None if cfg.param_dtype == torch.bfloat16 else cfg.param_dtype}
-        est = estimate(bf16, replace(cfg, **fields), hardware)
-        consider(
-            f"bf16 master weights ({_spell(how, 'master')}: weights, gradients and optimizer state "
-            "in bf16, no fp32 copy)",
-            est,
-            fields,
+        est = estimate(bf16, replace(cfg, **fields), self.hw)
+        label = (
+            f"bf16 master weights ({_spell(self.how, 'master')}: weights, gradients and "
+            "optimizer state in bf16, no fp32 copy)"
         )
-        if est.peak_bytes < smallest.peak_bytes:
-            changed = bf16
-    if cfg.batch_size > 1:
-        est = estimate(profile, replace(cfg, batch_size=1), hardware)
-        consider(
-            f"one sequence a rank instead of {cfg.batch_size} ({_spell(how, 'batch', cfg.dp)})",
-            est,
-            {"batch_size": 1},
+        if self._consider(label, est, fields):
+            self.changed = bf16
+
+    def one_sequence(self) -> None:
+        cfg = self.cfg
+        if cfg.batch_size > 1:
+            est = estimate(self.profile, replace(cfg, batch_size=1), self.hw)
+            how = _spell(self.how, "batch", cfg.dp)
+            label = f"one sequence a rank instead of {cfg.batch_size} ({how})"
+            self._consider(label, est, {"batch_size": 1})
+
+    def together(self) -> bool:
+        """All the helpful changes at once; whether they fit."""
+        if not self.helped:
+            return False
+        est = estimate(self.changed, replace(self.cfg, **self.changes), self.hw)
+        if len(self.helped) > 1:
+            verdict = _verdict(est, self.budget, self.margin)
+            self.lines.append(f"all of these together ({', '.join(self.helped)}): {verdict}")
+        return est.peak_bytes * (1 + self.margin) <= self.budget
+
+    def more_ranks(self, limit: int, together_fits: bool) -> None:
+        cfg, budget, margin = self.cfg, self.budget, self.margin
+        more = smallest_fitting_world_size(
+            self.profile, cfg, budget, self.hw, limit=limit, margin=margin
         )
-    together = replace(cfg, **changes)
-    together_fits = False
-    if helped:
-        est = estimate(changed, together, hardware)
-        together_fits = est.peak_bytes * (1 + margin) <= budget
-        if len(helped) > 1:
-            lines.append(
-                f"all of these together ({', '.join(helped)}): {_verdict(est, budget, margin)}"
+        if more is not None:
+            self.lines.append(
+                f"more ranks: {more.config.world_size} ranks fit ({more.config.describe()}, "
+                f"{cfg.batch_size} sequence(s) a rank, {_gib(more.peak_bytes)})"
             )
-    more = smallest_fitting_world_size(
-        profile, cfg, budget, hardware, limit=max_world_size, margin=margin
-    )
-    if more is not None:
-        lines.append(
-            f"more ranks: {more.config.world_size} ranks fit ({more.config.describe()}, "
-            f"{cfg.batch_size} sequence(s) a rank, {_gib(more.peak_bytes)})"
-        )
-    else:
+            return
         line = (
-            f"more ranks alone do not help: no world size up to {max_world_size} fits this "
+            f"more ranks alone do not help: no world size up to {limit} fits this "
             "layout (what does not shrink with more shards is over the budget)"
         )
-        if helped and not together_fits:
+        if self.helped and not together_fits:
+            together = replace(cfg, **self.changes)
             more = smallest_fitting_world_size(
-                changed, together, budget, hardware, limit=max_world_size, margin=margin
+                self.changed, together, budget, self.hw, limit=limit, margin=margin
             )
             if more is not None:
                 line += (
-                    f"; with {', '.join(helped)}: {more.config.world_size} ranks fit "
+                    f"; with {', '.join(self.helped)}: {more.config.world_size} ranks fit "
                     f"({more.config.describe()}, {_gib(more.peak_bytes)})"
                 )
-        lines.append(line)
-    logger.debug("nothing fits: %s", lines)
-    return lines
+        self.lines.append(line)

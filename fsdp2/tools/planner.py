@@ -1461,46 +1461,64 @@ def step_cost(
     Example:
         >>> compute, comm, step = step_cost(profile, cfg, estimate(profile, cfg), H100)
     """
+    compute = _compute_seconds(profile, cfg, hw)
+    if cfg.offload and hw.device != "cpu":
+        compute += _offload_seconds(est, cfg, hw)
+    fsdp, first = _fsdp_seconds(cfg, est, hw)
+    tp_s = _tp_seconds(profile, cfg, est, hw)
+    hidden = max(compute, fsdp) if hw.overlap else compute + fsdp
+    return compute, fsdp + tp_s, hidden + tp_s + first
+
+
+def _bandwidth(hw: Hardware, span: int) -> float:
+    """Bytes/s of a collective over ``span`` consecutive ranks."""
+    return hw.intra_node_bw if span <= hw.devices_per_node else hw.inter_node_bw
+
+
+def _compute_seconds(profile: ModelProfile, cfg: PlanConfig, hw: Hardware) -> float:
+    """The FLOPs of a step (checkpointed blocks' forward again) at the hardware's rate."""
     tokens = cfg.batch_size * profile.seq_len
-    n = profile.num_params
     attn = 4 * profile.hidden * profile.seq_len * tokens  # one layer's attention, forward
-    flops = 6 * n * tokens + 3 * profile.n_layers * attn
+    flops = 6 * profile.num_params * tokens + 3 * profile.n_layers * attn
     for b in cfg.checkpointed(profile.n_blocks):  # the block's forward again
         flops += 2 * _block_params(profile, b) * tokens + attn * profile.n_layers / profile.n_blocks
     compute_dtype = cfg.param_dtype or profile.params[0].dtype
-    compute = flops / cfg.tp / (hw.flops * hw.efficiency * hw.speed(compute_dtype))
-    if cfg.offload and hw.device != "cpu":
-        compute += _offload_seconds(est, cfg, hw)
+    return flops / cfg.tp / (hw.flops * hw.efficiency * hw.speed(compute_dtype))
 
-    def bw(span: int) -> float:
-        return hw.intra_node_bw if span <= hw.devices_per_node else hw.inter_node_bw
 
-    shard_span = cfg.tp * cfg.dp_shard
-    fsdp = 0.0
-    first = 0.0
+def _fsdp_seconds(cfg: PlanConfig, est: Estimate, hw: Hardware) -> tuple[float, float]:
+    """FSDP's (and HSDP's) collectives of a step, and its first all-gather alone."""
+    shard_bw = _bandwidth(hw, cfg.tp * cfg.dp_shard)
+    fsdp = first = 0.0
     for (kind, dim), (count, nbytes) in est.collectives.items():
         if dim == "dp_shard":
             size = cfg.dp_shard
             moved = nbytes * (size - 1) if kind == "all_gather" else nbytes * (size - 1) / size
-            fsdp += moved / bw(shard_span)
+            fsdp += moved / shard_bw
             if kind == "all_gather" and count:
-                first = max(first, moved / count / bw(shard_span))
+                first = max(first, moved / count / shard_bw)
         elif dim == "dp_replicate":
             size = cfg.dp_replicate
-            fsdp += 2 * nbytes * (size - 1) / size / bw(cfg.world_size)
-    tp_s = 0.0
-    tp_known = [(kind, v) for (kind, dim), v in est.collectives.items() if dim == "tp"]
-    for kind, (_count, nbytes) in tp_known:  # the ledger's TransformerTP, when it applies
-        k = cfg.tp
-        moved = {"all_gather": nbytes * (k - 1), "reduce_scatter": nbytes * (k - 1) / k}
-        tp_s += moved.get(kind, 2 * nbytes * (k - 1) / k) / bw(cfg.tp)
-    if cfg.tp > 1 and not tp_known:
-        act = tokens * profile.hidden * (cfg.param_dtype or torch.float32).itemsize
-        passes = 2 + len(cfg.checkpointed(profile.n_blocks)) / max(profile.n_blocks, 1)
-        per_block = 4 * act * (cfg.tp - 1) / cfg.tp
-        tp_s = passes * per_block * profile.n_layers / bw(cfg.tp)
-    hidden = max(compute, fsdp) if hw.overlap else compute + fsdp
-    return compute, fsdp + tp_s, hidden + tp_s + first
+            fsdp += 2 * nbytes * (size - 1) / size / _bandwidth(hw, cfg.world_size)
+    return fsdp, first
+
+
+def _tp_seconds(profile: ModelProfile, cfg: PlanConfig, est: Estimate, hw: Hardware) -> float:
+    """Tensor parallelism's collectives of a step: the ledger's ``TransformerTP`` when it
+    applies, else two all-gathers and two reduce-scatters of a block's activations per
+    forward, backward and recomputed forward."""
+    k, bw = cfg.tp, _bandwidth(hw, cfg.tp)
+    known = [(kind, v) for (kind, dim), v in est.collectives.items() if dim == "tp"]
+    if known:
+        moved = {"all_gather": lambda b: b * (k - 1), "reduce_scatter": lambda b: b * (k - 1) / k}
+        default = lambda b: 2 * b * (k - 1) / k  # noqa: E731 (all-reduce)
+        return sum(moved.get(kind, default)(nbytes) / bw for kind, (_c, nbytes) in known)
+    if k == 1:
+        return 0.0
+    tokens = cfg.batch_size * profile.seq_len
+    act = tokens * profile.hidden * (cfg.param_dtype or torch.float32).itemsize
+    passes = 2 + len(cfg.checkpointed(profile.n_blocks)) / max(profile.n_blocks, 1)
+    return passes * 4 * act * (k - 1) / k * profile.n_layers / bw
 
 
 def _block_params(profile: ModelProfile, block: int) -> int:

@@ -172,37 +172,48 @@ def search_layouts(
         (0, 1)
     """
     _check_args(world_size, budget_bytes, margin, offload)
-    asked = margin
     global_batch = global_batch or world_size
-    tiers = _tiers(hardware, param_dtypes, offload)
     considered: list[Estimate] = []
-    for label, base in tiers:
+    for label, base in _tiers(hardware, param_dtypes, offload):
         base = replace(base, world_size=world_size, optimizer=optimizer)
-        margin = default_margin(hardware, offload=base.offload) if asked is None else float(asked)
+        tier_margin = default_margin(hardware, offload=base.offload) if margin is None else margin
         layouts = _layouts(profile, base, hardware, global_batch, tp_degrees, replicate_degrees,
                            blocks_per_group)  # fmt: skip
         found = [
-            _fewest_checkpointed(profile, cfg, hardware, budget_bytes, margin) for cfg in layouts
+            _fewest_checkpointed(profile, cfg, hardware, budget_bytes, tier_margin)
+            for cfg in layouts
         ]
         considered += found
-        fits = sorted((e for e in found if _fits(e, budget_bytes, margin)), key=speed_then_memory)
+        fits = [e for e in found if _fits(e, budget_bytes, tier_margin)]
         if fits:
-            rest = sorted((e for e in considered if e not in fits), key=lambda e: e.peak_bytes)
-            logger.info(
-                "search: %d layouts, %d fit; best %s (%.2f GiB, %.3f s)",
-                len(considered), len(fits), fits[0].config.describe(), fits[0].peak_gib,
-                fits[0].step_s,
-            )  # fmt: skip
-            return SearchResult(fits[0], fits + rest, budget_bytes, margin, label, fits)
+            return _result(considered, fits, budget_bytes, tier_margin, label)
+    _nothing_fits(profile, considered, world_size, global_batch, budget_bytes, margin, hardware)
+
+
+def _result(considered, fits, budget: int, margin: float, label: str) -> SearchResult:
+    """The fitting layouts fastest first (of equal ones the smaller), then the others."""
+    fits = sorted(fits, key=speed_then_memory)
+    rest = sorted((e for e in considered if e not in fits), key=lambda e: e.peak_bytes)
+    best = fits[0]
+    logger.info(
+        "search: %d layouts, %d fit; best %s (%.2f GiB, %.3f s)",
+        len(considered), len(fits), best.config.describe(), best.peak_gib, best.step_s,
+    )  # fmt: skip
+    return SearchResult(best, fits + rest, budget, float(margin), label, fits)
+
+
+def _nothing_fits(profile, considered, world, global_batch, budget, margin, hardware):
+    """Raise why nothing was found: no layout at all, or none that fits."""
     if not considered:
         raise ValueError(
-            f"search_layouts: no layout of {world_size} ranks holds the global batch "
+            f"search_layouts: no layout of {world} ranks holds the global batch "
             f"{global_batch} (no data-parallel size divides it); pass global_batch=."
         )
     smallest = min(considered, key=lambda e: e.peak_bytes)
-    raise NothingFitsError(
-        smallest, budget_bytes, margin, _advice(profile, smallest, budget_bytes, margin, hardware)
-    )
+    if margin is None:
+        margin = default_margin(hardware, offload=smallest.config.offload)
+    advice = _advice(profile, smallest, budget, margin, hardware)
+    raise NothingFitsError(smallest, budget, margin, advice)
 
 
 def _check_args(world_size, budget_bytes, margin, offload) -> None:
