@@ -172,10 +172,10 @@ def test_cli_reads_a_hugging_face_config(tmp_path, capsys):
                   max_position_embeddings=512)  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
     rc = main(["--hf-config", str(tmp_path / "config.json"), "--world-size", "4",
-               "--gpu-memory", "1GiB", "--seq-len", "256"])  # fmt: skip
+               "--gpu-memory", "1GiB", "--seq-len", "256", "--tp", "2"])  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "LlamaForCausalLM" in out and "tp2" in out
+    assert "LlamaForCausalLM" in out and "tp2" in out  # the plan from the module names
 
 
 def test_cli_says_when_nothing_fits(capsys):

@@ -22,12 +22,14 @@ Example:
     ...                         batch=64, seq_len=2048)
     >>> print(plan)
     >>> model.to_empty(device="cuda"); model.reset_parameters()
+    >>> dp_rank, dp_size = plan.data_parallel_rank()      # which rows of the batch to feed
 """
 
 from fsdp2.auto._apply import PlanMismatchError, check_layout
 from fsdp2.auto._entry import auto_parallelize
 from fsdp2.auto._plan import Alternative, AutoPlan, PlannedGroup, PlannedParam
 from fsdp2.auto._proof import PlanCheck, compare_report, verify_plan
+from fsdp2.tools.search import NothingFitsError
 
 __all__ = [
     "auto_parallelize",
@@ -36,6 +38,7 @@ __all__ = [
     "PlannedParam",
     "Alternative",
     "PlanMismatchError",
+    "NothingFitsError",
     "PlanCheck",
     "verify_plan",
     "compare_report",

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from fsdp2.auto import AutoPlan, PlanCheck, verify_plan
+from fsdp2.auto._proof import loss_from_payload
 
 
 def main(argv=None) -> int:
@@ -26,7 +27,8 @@ def main(argv=None) -> int:
     collectives with the plan (``fsdp2.auto.verify_plan``); ``--json out.json`` writes the
     verdict. ``--payload`` is what ``auto_parallelize`` hands a fresh process (a
     ``torch.save`` file of the plan, the builder or a meta copy of the model, and the
-    tensor-parallel plan). Exit status 0: the plan holds; 1: it does not.
+    tensor-parallel plan, the step's loss function). Exit status 0: the plan holds; 1: it
+    does not; 2: bad arguments (a plan file that does not read, say).
 
     Example:
         >>> main(["--plan", "plan.json", "--build-model", "mypkg.models:build_llama"])
@@ -42,7 +44,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the verdict here")
     args = p.parse_args(argv)
 
-    tp_plan = None
+    tp_plan, collectives = None, True
     if args.payload:
         payload = torch.load(args.payload, weights_only=False)
         plan = AutoPlan.from_json(payload["plan"])
@@ -50,14 +52,19 @@ def main(argv=None) -> int:
         if build is None:  # a pickled meta copy of the model
             build = torch.load(io.BytesIO(payload["model_bytes"]), weights_only=False)
         tp_plan = payload.get("tp_plan")
-        ranks = payload.get("ranks")
+        collectives = payload.get("collectives", True)
     else:
         if not args.plan or not args.build_model:
             p.error("give --plan and --build-model (or --payload)")
-        plan = AutoPlan.from_json(Path(args.plan).read_text())
-        build, ranks = args.build_model, None
+        try:
+            plan = AutoPlan.from_json(Path(args.plan).read_text())
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            p.error(f"--plan {args.plan}: cannot read a plan there ({type(e).__name__}: {e})")
+        build, payload = args.build_model, {}
     try:
-        check = verify_plan(plan, build, ranks=args.rank or ranks, tp_plan=tp_plan)
+        loss_fn = loss_from_payload(payload)
+        check = verify_plan(plan, build, ranks=args.rank, tp_plan=tp_plan, loss_fn=loss_fn,
+                            collectives=collectives)  # fmt: skip
     except (ValueError, TypeError, RuntimeError) as e:  # the model or the plan: say which
         check = PlanCheck(False, [f"the dry run could not run: {type(e).__name__}: {e}"])
     if args.json:

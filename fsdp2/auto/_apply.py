@@ -12,8 +12,9 @@ group's local shard elements with the plan's prediction for its own mesh coordin
 (``AutoPlan.shard_numel_for``: ``torch.chunk`` sizes at the rank's tensor-parallel and
 shard coordinates), checks that the same arithmetic at rank 0's coordinate gives the
 planner's numbers stored in the plan, and that the groups' parameters (by FQN), their
-``reshard_after_forward`` and the checkpointed blocks are the plan's. The ranks then agree with one small all-reduce of
-a flag per rank, so a mismatch anywhere raises ``PlanMismatchError`` on every rank.
+``reshard_after_forward`` and the checkpointed blocks are the plan's. The ranks then agree
+with one small all-reduce of a flag per rank, so a mismatch anywhere raises
+``PlanMismatchError`` on every rank.
 """
 
 from __future__ import annotations
@@ -100,6 +101,33 @@ def _validate(plan, model, mesh, tp_plan) -> dict | None:
         raise ValueError(
             f"{_API}: model already has fully_shard applied; pass a fresh, unsharded model."
         )
+    _check_model_is_the_plans(plan, model)
+    if plan.tp <= 1:
+        return None
+    if tp_plan is None:
+        if plan.tp_plan_source != "tp_plan_for":
+            raise ValueError(
+                f"{_API}: the plan uses a tensor-parallel plan of your own "
+                f"({len(plan.tp_plan)} entries); pass it as tp_plan=."
+            )
+        from fsdp2.plan import tp_plan_for
+
+        tp_plan = tp_plan_for(model)
+    if not isinstance(tp_plan, dict):
+        raise TypeError(f"{_API}: tp_plan must be a dict, got {type(tp_plan).__name__}.")
+    got = {k: type(v).__name__ for k, v in tp_plan.items()}
+    if got != dict(plan.tp_plan):
+        diff = sorted(set(got.items()) ^ set(plan.tp_plan.items()))[:4]
+        raise ValueError(
+            f"{_API}: tp_plan's entries are not the plan's (differing: {diff}); pass the "
+            "tensor-parallel plan the plan was made with."
+        )
+    return tp_plan
+
+
+def _check_model_is_the_plans(plan, model) -> None:
+    """The plan's modules exist in ``model`` and its parameters are the plan's (names and
+    shapes), none of them a DTensor yet."""
     fqns = set(plan.blocks) | set(plan.checkpointed) | {f for g in plan.groups for f in g.modules}
     for fqn in sorted(fqns):
         try:
@@ -129,27 +157,6 @@ def _validate(plan, model, mesh, tp_plan) -> dict | None:
             f"{len(planned)} in the plan; differing: {wrong[:3]}{', not planned: ' if extra else ''}"
             f"{extra if extra else ''}); apply the plan to the model it was made for."
         )
-    if plan.tp <= 1:
-        return None
-    if tp_plan is None:
-        if plan.tp_plan_source != "tp_plan_for":
-            raise ValueError(
-                f"{_API}: the plan uses a tensor-parallel plan of your own "
-                f"({len(plan.tp_plan)} entries); pass it as tp_plan=."
-            )
-        from fsdp2.plan import tp_plan_for
-
-        tp_plan = tp_plan_for(model)
-    if not isinstance(tp_plan, dict):
-        raise TypeError(f"{_API}: tp_plan must be a dict, got {type(tp_plan).__name__}.")
-    got = {k: type(v).__name__ for k, v in tp_plan.items()}
-    if got != dict(plan.tp_plan):
-        diff = sorted(set(got.items()) ^ set(plan.tp_plan.items()))[:4]
-        raise ValueError(
-            f"{_API}: tp_plan's entries are not the plan's (differing: {diff}); pass the "
-            "tensor-parallel plan the plan was made with."
-        )
-    return tp_plan
 
 
 def _is_dtensor(t) -> bool:
@@ -192,45 +199,31 @@ def _run_step(plan, model, mesh, step, tp_plan) -> None:
 
 # ---------------------------------------------------------------------------- the proof
 def is_checkpointed(module: nn.Module) -> bool:
-    """Whether ``torch.distributed._composable.checkpoint`` wraps ``module``.
+    """Whether ``torch.distributed._composable.checkpoint`` wraps ``module``
+    (``fsdp2.tools.dry_run.is_checkpointed``).
 
     Example:
         >>> is_checkpointed(model.blocks[0])
         True
     """
-    from torch.distributed._composable.contract import _get_registry
+    from fsdp2.tools.dry_run import is_checkpointed as _is_checkpointed
 
-    registry = _get_registry(module)
-    return registry is not None and "checkpoint" in registry
+    return _is_checkpointed(module)
 
 
 def built_groups(plan, model: nn.Module) -> dict[str, dict]:
     """``{group name: {"numel": local shard elements, "reshard_after_forward": ...,
     "params": parameter FQNs}}`` of every ``fully_shard`` call below ``model`` that has
     parameters, named as the plan names the call with the same modules (else
-    ``"fully_shard(<fqns>)"``).
+    ``"fully_shard(<fqns>)"``; ``fsdp2.tools.dry_run.built_groups``).
 
     Example:
         >>> built_groups(plan, model)["blocks[2]"]["numel"]
         7068
     """
-    from fsdp2._state import states_below
+    from fsdp2.tools.dry_run import built_groups as _built_groups
 
-    fqn_of = {id(m): n for n, m in model.named_modules()}
-    param_fqn = {id(p): n for n, p in model.named_parameters()}
-    by_modules = {tuple(g.modules): g.name for g in plan.groups}
-    out = {}
-    for state in states_below([model]):
-        if state.group is None:
-            continue
-        mods = tuple(fqn_of.get(id(m), "?") for m in state.modules)
-        name = by_modules.get(mods, f"fully_shard({', '.join(m or '<root>' for m in mods)})")
-        out[name] = {
-            "numel": sum(p.local.numel() for p in state.group.params),
-            "reshard_after_forward": state.group.reshard_after_forward,
-            "params": sorted(param_fqn.get(id(p.sharded_param), "?") for p in state.group.params),
-        }
-    return out
+    return _built_groups(model, {tuple(g.modules): g.name for g in plan.groups})
 
 
 def check_layout(plan, model: nn.Module, mesh=None, coordinate=None) -> list[str]:

@@ -1,10 +1,57 @@
-"""``auto_parallelize``: profile, search, apply, prove."""
+"""``auto_parallelize``: profile, search, apply, prove.
+
+[Note: auto_parallelize] The model is profiled on meta (``planner.profile_model``), the
+layouts of the world are searched (``search.search_layouts``: tensor-parallel and HSDP
+degrees, blocks per ``fully_shard`` call, which groups keep their parameters after
+forward, the fewest checkpointed blocks, then lower precision, then CPU offload), and the
+fastest that fits ``peak * (1 + margin) <= memory_budget`` is applied (``AutoPlan.apply``).
+
+Every rank must call it with the same arguments and an equal model. Each checks its
+arguments, profiles and searches on its own; then the ranks agree, before any process group
+or mesh is created ([Note: failing together] at ``_together``): an error on any rank (a bad
+argument, ``NothingFitsError`` for its budget) is raised on every rank, and ranks that chose
+different plans all raise ``PlanMismatchError``. Only then is the mesh built (with an int
+world: ``init_device_mesh(device, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)``,
+kept as ``plan.mesh``).
+
+Proofs, each an error on every rank when it fails (``PlanMismatchError``):
+
+* the dry run (``dry_run=True``): rank 0 plays the plan on the fake process group in a
+  fresh process at the plan's world size (the first and the last rank) and compares shard
+  sizes, the layout and the collectives of one step with the plan (``verify_plan``;
+  [Note: the dry-run proof]), before the model is touched. The fresh process rebuilds the
+  model from ``build_model`` (``"package.module:function"`` or a module-level function,
+  called under ``torch.device("meta")``), else from a pickled meta copy (its classes
+  importable, not defined in ``__main__``). Its step's loss is ``forward_fn`` when that
+  imports by name or pickles (not from ``__main__``); else the sum of the logits; for a
+  model whose output has none, no collectives are compared (a warning and a line in
+  ``plan.notes``). It may take ``DRY_RUN_TIMEOUT_S`` (240 s; ``FSDP2_DRY_RUN_TIMEOUT_S`` in
+  the environment sets another: keep it below the process group's timeout, which the other
+  ranks wait under);
+* in process, after the calls: every rank's shard sizes against the plan's prediction for
+  its mesh coordinate ([Note: the in-process proof]).
+
+The arguments, beyond the docstring's lines: a mesh's dims are named from
+``"dp_replicate"``, ``"dp_shard"`` (or ``"dp"``) and ``"tp"``, in that order, one shard dim
+required, of size 2 or more. ``batch`` is the global batch, the number every layout keeps:
+each data-parallel rank feeds ``plan.batch_size = batch / plan.dp`` sequences, and the ranks
+of a ``tp`` group feed the same ones (``plan.data_parallel_rank()``). ``blocks`` default to
+``model.blocks`` / ``model.layers`` / ``model.model.layers`` / ``model.transformer.h`` (a
+generator is read once). ``param_dtypes`` is a list of ``torch.bfloat16`` /
+``torch.float16`` / ``torch.float32`` or ``(param_dtype, reduce_dtype)`` pairs, tried in
+order (``search_layouts``). ``check_first_step`` measures the first steady-state step and
+warns once when its peak is further from the prediction than the margin ([Note: the
+first-step check]: on CPU that step runs under the memory tracker; on CUDA it reads the
+peak counters, and resets them only when an earlier peak hides the step's); it is
+``plan.first_step_check``.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import replace
+import math
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -20,134 +67,126 @@ _OPTIMIZERS = ("adamw", "sgd", "sgd-nomomentum")
 
 
 def auto_parallelize(
-    model: nn.Module,
-    mesh_or_world,
-    *,
-    memory_budget,
-    batch: int,
-    seq_len: int,
-    blocks=None,
-    tp_plan: dict | None = None,
-    forward_fn=None,
-    hardware=None,
-    margin: float | None = None,
-    param_dtypes=None,
-    offload="last-resort",
-    optimizer: str = "adamw",
-    dry_run: bool = True,
-    check_first_step: bool = True,
+    model: nn.Module, mesh_or_world, *, memory_budget, batch: int, seq_len: int,
+    blocks=None, tp_plan: dict | None = None, forward_fn=None, hardware=None,
+    margin: float | None = None, param_dtypes=None, offload="last-resort",
+    optimizer: str = "adamw", dry_run: bool = True, check_first_step: bool = True,
     build_model=None,
-) -> AutoPlan:
+) -> AutoPlan:  # fmt: skip
     """Choose the fastest layout of ``model`` that fits ``memory_budget`` per rank, apply
     it with ``fully_shard`` / ``parallelize_module`` / activation checkpointing, prove it,
-    and return the ``AutoPlan``.
-
-    The model is profiled on meta (``planner.profile_model``), the layouts of the world
-    are searched (``search.search_layouts``: tensor-parallel and HSDP degrees, blocks per
-    ``fully_shard`` call, which groups keep their parameters after forward, the fewest
-    checkpointed blocks, then lower precision, then CPU offload), and the fastest that
-    fits ``peak * (1 + margin) <= memory_budget`` is applied (``AutoPlan.apply``). Every
-    rank must call it with the same arguments and an equal model; they check that they
-    chose the same plan.
-
-    Proofs, each an error on every rank when it fails (``PlanMismatchError``):
-
-    * the dry run (``dry_run=True``): rank 0 plays the plan on the fake process group in a
-      fresh process at the plan's world size (the first and the last rank) and compares
-      shard sizes, the layout and the collectives of one step with the plan
-      (``verify_plan``), before the model is touched;
-    * in process, after the calls: every rank's shard sizes against the plan's
-      prediction for its mesh coordinate ([Note: the in-process proof]).
+    and return the ``AutoPlan`` (also ``model.auto_plan``). Every rank calls it with the
+    same arguments and an equal model ([Note: auto_parallelize] in ``fsdp2/auto/_entry.py``).
 
     Args:
-        model: the unsharded model: built under ``torch.device("meta")`` (then, after this
-            returns, ``model.to_empty(device=...)`` and your initialization, as with
-            ``fully_shard``; or load a checkpoint), or on its device (its values are
-            sharded as they are). When the plan offloads (``plan.offload``), materialize
-            on the host: ``model.to_empty(device="cpu")``.
-        mesh_or_world: a ``DeviceMesh`` whose dims are named from ``"dp_replicate"``,
-            ``"dp_shard"`` (or ``"dp"``) and ``"tp"``, in that order, one shard dim
-            required: its sizes fix the degrees. Or the world size (an int, equal to the
-            initialized default group's): the search picks the degrees and the mesh is
-            built with ``init_device_mesh(device, plan.mesh_shape,
-            mesh_dim_names=plan.mesh_dim_names)``.
-        memory_budget: bytes one rank may hold (an int, or a string: ``"80GB"``,
-            ``"24GiB"``).
-        batch: the global batch: sequences per optimizer step over all data-parallel
-            ranks, the number that every layout keeps (it defines the training run). Each
-            data-parallel rank feeds ``plan.batch_size = batch / plan.dp`` of them per
-            step (with tensor parallelism, the ranks of a ``tp`` group feed the same ones).
-        seq_len: tokens per sequence.
-        blocks: the transformer blocks (default ``model.blocks`` / ``model.layers`` /
-            ``model.model.layers`` / ``model.transformer.h``).
-        tp_plan: the ``parallelize_module`` plan for tensor-parallel layouts (default:
-            ``fsdp2.plan.tp_plan_for(model)``; None there: no tensor parallelism).
-        forward_fn: ``forward_fn(model, idx) -> loss`` for the activation trace (default:
-            cross-entropy of the logits); the dry run's step uses the sum of the logits
-            (the collectives do not depend on the loss).
-        hardware: a ``planner.Hardware`` (default: ``CPU`` on a CPU mesh, else ``H100``
-            with this device's memory).
-        margin: the headroom a layout must leave: ``peak * (1 + margin) <= budget``
-            (default: the hardware's allocator overhead, ``search.default_margin``).
-        param_dtypes: the mixed-precision ladder the search may climb (see
-            ``search_layouts``).
-        offload: ``"last-resort"`` (CPU offload only when nothing fits), True or False.
-        optimizer: ``"adamw"``, ``"sgd"`` or ``"sgd-nomomentum"``: the state the
-            prediction counts.
-        dry_run: run the dry-run proof (a fresh Python process on rank 0, a few seconds).
-        check_first_step: measure the first steady-state training step and warn (once)
-            when its peak is further from the prediction than the margin
-            ([Note: the first-step check]; on CPU that step runs under the memory
-            tracker).
-        build_model: how the dry run's fresh process rebuilds the model: a
-            ``"package.module:function"`` string or a module-level function (called under
-            ``torch.device("meta")``). Default: a pickled meta copy of ``model`` (its
-            classes must be importable, not defined in ``__main__``).
-
-    Returns:
-        The ``AutoPlan`` applied, also attached as ``model.auto_plan``: ``print(plan)``
-        for the table, ``plan.calls()`` for the calls as source, ``plan.to_json()``.
+        model: the unsharded model, on meta (then ``model.to_empty(device=...)`` and your
+            initialization; on the host when ``plan.offload``) or on its device.
+        mesh_or_world: a ``DeviceMesh`` with dims from ``"dp_replicate"``, ``"dp_shard"``
+            (or ``"dp"``), ``"tp"`` (its sizes fix the degrees), or the world size.
+        memory_budget: bytes a rank may hold: an int, ``80e9``, ``"80GB"``, ``"74GiB"``.
+        batch / seq_len: the global batch (sequences a step over all data-parallel ranks)
+            and tokens a sequence (at most the model config's maximum).
+        blocks / tp_plan: the transformer blocks (default: found) and the tensor-parallel
+            plan (default ``fsdp2.plan.tp_plan_for(model)``; ``{}``: none).
+        forward_fn: ``forward_fn(model, idx) -> loss`` for the trace and the dry run's step.
+        hardware / margin: the cost model (default ``CPU``, or ``H100`` with the ranks'
+            smallest device memory) and the headroom: ``peak * (1 + margin) <= budget``.
+        param_dtypes / offload / optimizer: the dtype ladder, ``"last-resort"`` / True /
+            False, and ``"adamw"`` / ``"sgd"`` / ``"sgd-nomomentum"``.
+        dry_run / build_model / check_first_step: the dry-run proof in a fresh process
+            (``build_model`` rebuilds the model there), the first-step memory check.
 
     Raises:
-        ValueError / TypeError: bad arguments (naming the argument and the fix), raised on
-            every rank before any collective.
-        search.NothingFitsError: no layout fits (a ValueError; it says what would fit).
-        PlanMismatchError: ranks chose different plans, or a proof failed (every rank).
+        ValueError / TypeError: a bad argument (named, with the fix). NothingFitsError: no
+            layout fits. PlanMismatchError: another rank failed, the ranks chose different
+            plans, or a proof failed. Every rank raises together.
 
     Example:
-        >>> dist.init_process_group("nccl"); torch.cuda.set_device(local_rank)
-        >>> with torch.device("meta"):
-        ...     model = GPT(GPTConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32,
-        ...                           fused_qkv=False))
         >>> plan = auto_parallelize(model, dist.get_world_size(), memory_budget="70GiB",
         ...                         batch=64, seq_len=2048)
         >>> model.to_empty(device="cpu" if plan.offload else "cuda"); model.reset_parameters()
-        >>> x = batch_for(rank, plan.batch_size)          # plan.batch_size rows a dp rank
+        >>> dp_rank, dp_size = plan.data_parallel_rank()   # a tp group shares its dp_rank
+        >>> x = batch_for(dp_rank, plan.batch_size)        # plan.batch_size rows a dp rank
     """
+    args, plan, proof = _plan_on_every_rank(
+        model, mesh_or_world, memory_budget, batch, seq_len, blocks, tp_plan, forward_fn,
+        hardware, margin, param_dtypes, offload, optimizer, dry_run, check_first_step,
+        build_model,
+    )  # fmt: skip
+    return _lay_out(model, plan, args, proof, check_first_step)
+
+
+def _plan_on_every_rank(model, mesh_or_world, memory_budget, batch, seq_len, blocks, tp_plan,
+                        forward_fn, hardware, margin, param_dtypes, offload, optimizer, dry_run,
+                        check_first_step, build_model):  # fmt: skip
+    """``(arguments, plan, dry-run payload)``, the same on every rank, before any group
+    exists ([Note: failing together])."""
+    # 1. validate, locally; on CUDA with the default hardware, read this device's memory.
+    #    Then one all-reduce: every rank learns whether any failed, and the smallest memory.
+    error, args, memory = None, None, None
+    try:
+        args = _validate(
+            model, mesh_or_world, memory_budget, batch, seq_len, blocks, tp_plan, forward_fn,
+            hardware, margin, param_dtypes, offload, optimizer, dry_run, check_first_step,
+            build_model,
+        )  # fmt: skip
+        memory = _device_memory(args.device_type) if hardware is None else None
+    except Exception as e:  # noqa: BLE001 - shared with every rank, then raised
+        error = e
+    (least,) = _together("checking the arguments", error, [-(memory or _NO_MEMORY)])
+    memory = None if -least >= _NO_MEMORY else -least
+    # 2. profile and search (local, the same on every rank), then every rank on one plan
+    plan, proof = None, None
+    try:
+        hw = hardware or _default_hardware(args.device_type, memory)
+        plan, proof = _plan(model, args, hw, batch, seq_len, forward_fn, margin, offload,
+                            optimizer, dry_run, build_model)  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - shared with every rank, then raised
+        error = e
+    _agree_on_plan(plan, error)
+    return args, plan, proof
+
+
+def _lay_out(model, plan: AutoPlan, args, proof, check_first_step: bool) -> AutoPlan:
+    """The mesh (groups are created only now), the dry run, the calls with the in-process
+    proof, and the first-step check."""
+    mesh = args.mesh
+    if mesh is None:
+        from device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(
+            args.device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names
+        )
+    plan.mesh = mesh
+    tp_plan = args.tp_plan if plan.tp > 1 else None
+    if proof is not None:  # the dry run, before the model changes
+        _dry_run_proof(plan, proof, tp_plan if args.tp_given else None)
+    plan.apply(model, mesh, tp_plan=tp_plan, check=True)
+    if check_first_step:
+        from fsdp2.auto._first_step import FirstStepCheck
+
+        plan.first_step_check = FirstStepCheck(plan, model, args.device_type)
+    if _rank() == 0:
+        logger.info("%s chose:\n%s", _API, plan)
+    return plan
+
+
+def _plan(model, args, hardware, batch, seq_len, forward_fn, margin, offload, optimizer,
+          dry_run, build_model):  # fmt: skip
+    """``(plan, how the dry run gets the model and the loss)``: the profile, the search and
+    the plan, all local."""
     from fsdp2.tools.planner import profile_model
 
-    # 1. validate: local and deterministic, so every rank fails alike, before any collective
-    args = _validate(
-        model, mesh_or_world, memory_budget, batch, seq_len, blocks, tp_plan, forward_fn,
-        hardware, margin, optimizer, dry_run, check_first_step, build_model,
-    )  # fmt: skip
-    mesh, world, device_type, budget = args
-    tp_given = tp_plan is not None
-    if tp_plan is None:
-        from fsdp2.plan import tp_plan_for
-
-        tp_plan = tp_plan_for(model)
-    tp, rep = _mesh_degrees(mesh)
-    if tp > 1:
-        _check_tp(model, tp, tp_plan)
-    hardware = hardware or _default_hardware(device_type)
-    source = _dry_run_source(model, build_model) if dry_run else None
-    # 2. profile and search (local)
+    proof = None
+    if dry_run:
+        proof = _dry_run_source(model, build_model)
+        proof.update(_dry_run_loss(model, forward_fn, seq_len))
     profile = profile_model(
-        model, seq_len=seq_len, blocks=blocks, tp_plan=tp_plan, forward_fn=forward_fn
+        model, seq_len=seq_len, blocks=args.blocks, tp_plan=args.tp_plan, forward_fn=forward_fn
     )
-    result = _search(profile, world, budget, hardware, batch, margin, tp, rep, mesh,
-                     param_dtypes, offload, optimizer)  # fmt: skip
+    result = _search(profile, args.world, args.budget, hardware, batch, margin, args.tp,
+                     args.rep, args.mesh, args.param_dtypes, offload, optimizer)  # fmt: skip
+    mesh = args.mesh
     plan = AutoPlan.from_estimate(
         result.best,
         profile,
@@ -156,53 +195,48 @@ def auto_parallelize(
         considered=result.considered,
         mesh_shape=tuple(mesh.shape) if mesh is not None else None,
         mesh_dim_names=tuple(mesh.mesh_dim_names) if mesh is not None else None,
-        device_type=device_type,
-        tp_plan_source="user" if tp_given else "tp_plan_for",
+        device_type=args.device_type,
+        tp_plan_source="user" if args.tp_given else "tp_plan_for",
     )
-    # 3. the mesh, and every rank on the same plan
-    if mesh is None:
-        from device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
-    _agree_on_plan(plan, device_type)
-    # 4. the dry run, before the model changes
-    if dry_run:
-        _dry_run_proof(plan, source, tp_plan if plan.tp > 1 and tp_given else None)
-    # 5. apply, with the in-process proof
-    plan.apply(model, mesh, tp_plan=tp_plan if plan.tp > 1 else None, check=True)
-    if check_first_step:
-        from fsdp2.auto._first_step import FirstStepCheck
-
-        FirstStepCheck(plan, model, device_type)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        logger.info("%s chose:\n%s", _API, plan)
-    return plan
+    if proof is not None and proof.get("note"):
+        plan.notes.append(proof["note"])
+    return plan, proof
 
 
 # ---------------------------------------------------------------------------- validation
-def _validate(model, mesh_or_world, memory_budget, batch, seq_len, blocks, tp_plan,
-              forward_fn, hardware, margin, optimizer, dry_run, check_first_step,
-              build_model):  # fmt: skip
-    """``(mesh or None, world size, device type, budget bytes)``; raises on bad input."""
-    from fsdp2.tools.planner import parse_bytes
+@dataclass
+class _Args:
+    """What ``_validate`` found: the user's mesh (None: build one), the world size, the
+    compute device, the budget in bytes, the blocks (a list, or None: found by the
+    profile), the dtype ladder, the tensor-parallel plan and the mesh's degrees."""
 
+    mesh: object
+    world: int
+    device_type: str
+    budget: int
+    blocks: list | None
+    param_dtypes: tuple | None
+    tp_plan: dict | None
+    tp_given: bool
+    tp: int
+    rep: int
+
+
+def _validate(model, mesh_or_world, memory_budget, batch, seq_len, blocks, tp_plan,
+              forward_fn, hardware, margin, param_dtypes, offload, optimizer, dry_run,
+              check_first_step, build_model) -> _Args:  # fmt: skip
+    """Everything checked, locally and without side effects; raises on bad input."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"{_API}: model must be an nn.Module, got {type(model).__name__}.")
     if any("_fsdp_state" in m.__dict__ for m in model.modules()):
         raise ValueError(
             f"{_API}: model already has fully_shard applied; pass a fresh, unsharded model."
         )
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, str)):
-        raise TypeError(
-            f"{_API}: memory_budget must be bytes (an int) or a string such as '80GB' or "
-            f"'24GiB', got {memory_budget!r}."
-        )
-    budget = parse_bytes(memory_budget) if isinstance(memory_budget, str) else memory_budget
-    if budget <= 0:
-        raise ValueError(f"{_API}: memory_budget must be positive, got {memory_budget!r}.")
+    budget = _budget_bytes(memory_budget)
     for name, value in (("batch", batch), ("seq_len", seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{_API}: {name} must be a positive int, got {value!r}.")
+    _check_seq_len(model, seq_len)
     if margin is not None and (
         isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 10
     ):
@@ -211,23 +245,114 @@ def _validate(model, mesh_or_world, memory_budget, batch, seq_len, blocks, tp_pl
         )
     if optimizer not in _OPTIMIZERS:
         raise ValueError(f"{_API}: optimizer must be one of {_OPTIMIZERS}, got {optimizer!r}.")
-    _check_types(tp_plan, forward_fn, hardware, dry_run, check_first_step, blocks)
-    if dry_run and build_model is not None:
-        _builder_name(build_model)
+    if not (offload is True or offload is False or offload == "last-resort"):
+        raise ValueError(
+            f"{_API}: offload must be True, False or 'last-resort' (CPU offload only when "
+            f"nothing fits on the device), got {offload!r}."
+        )
+    dtypes = _check_param_dtypes(param_dtypes)
+    _check_types(tp_plan, forward_fn, hardware, dry_run, check_first_step)
+    blocks = _check_blocks(model, blocks)
+    if dry_run:
+        if build_model is not None:
+            _builder_name(build_model)
+        from fsdp2.auto._proof import dry_run_timeout
+
+        dry_run_timeout()  # raises on a bad FSDP2_DRY_RUN_TIMEOUT_S
     mesh, world = _mesh_or_world(mesh_or_world)
     device_type = _device_type(model, mesh)
-    if mesh is not None:
-        tp, rep = _mesh_degrees(mesh)
+    tp, rep = _mesh_degrees(mesh)
+    if mesh is not None and batch % (world // tp):
         dp = world // tp
-        if batch % dp:
+        raise ValueError(
+            f"{_API}: batch={batch} (the global batch) is not divisible by the mesh's "
+            f"{dp} data-parallel ranks; pick a multiple of {dp}."
+        )
+    tp_given = tp_plan is not None
+    if tp_plan is None:
+        from fsdp2.plan import tp_plan_for
+
+        tp_plan = tp_plan_for(model)
+    if tp > 1:
+        _check_tp(model, tp, tp_plan)
+    return _Args(mesh, world, device_type, budget, blocks, dtypes, tp_plan, tp_given, tp, rep)
+
+
+def _budget_bytes(memory_budget) -> int:
+    """The budget in bytes: an int, a float with an integral value (``80e9``) or a string."""
+    from fsdp2.tools.planner import parse_bytes
+
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float, str)):
+        raise TypeError(
+            f"{_API}: memory_budget must be bytes (an int, or a float of whole bytes such "
+            f"as 80e9) or a string such as '80GB' or '24GiB', got {memory_budget!r}."
+        )
+    if isinstance(memory_budget, float) and not (
+        math.isfinite(memory_budget) and memory_budget.is_integer()
+    ):
+        raise ValueError(
+            f"{_API}: memory_budget={memory_budget!r} is not a whole number of bytes; pass "
+            "an int (80e9 is fine) or a string such as '80GB'."
+        )
+    budget = memory_budget
+    if isinstance(memory_budget, str):
+        try:
+            budget = parse_bytes(memory_budget)
+        except ValueError:
             raise ValueError(
-                f"{_API}: batch={batch} (the global batch) is not divisible by the mesh's "
-                f"{dp} data-parallel ranks; pick a multiple of {dp}."
+                f"{_API}: memory_budget={memory_budget!r} is not a size; pass bytes (an int) "
+                "or a number with a unit, such as '80GB' (10^9 bytes) or '74GiB' (2^30)."
+            ) from None
+    if budget <= 0:
+        raise ValueError(f"{_API}: memory_budget must be positive, got {memory_budget!r}.")
+    return int(budget)
+
+
+def _check_seq_len(model: nn.Module, seq_len: int) -> None:
+    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
+    for name in ("max_seq_len", "max_position_embeddings", "n_positions"):
+        limit = getattr(cfg, name, None)
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+            if seq_len > limit:
+                raise ValueError(
+                    f"{_API}: seq_len={seq_len} is longer than the model's {name}={limit}; "
+                    f"pass seq_len <= {limit}, or build the model with a longer {name}."
+                )
+            return
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _check_param_dtypes(param_dtypes) -> tuple | None:
+    """The ladder as a tuple of dtypes or ``(param_dtype, reduce_dtype)`` pairs."""
+    if param_dtypes is None:
+        return None
+    fix = (
+        "pass a list such as [torch.bfloat16] or [(torch.bfloat16, torch.float32)] (param "
+        "and reduce dtype), tried in order; None for the default"
+    )
+    if isinstance(param_dtypes, (str, torch.dtype)) or not isinstance(param_dtypes, (list, tuple)):
+        raise TypeError(
+            f"{_API}: param_dtypes must be a list of dtypes, got {param_dtypes!r}; {fix}."
+        )
+    if not param_dtypes:
+        raise ValueError(f"{_API}: param_dtypes is empty; {fix}.")
+    for entry in param_dtypes:
+        pair = entry if isinstance(entry, tuple) else (entry,)
+        ok = len(pair) in (1, 2) and all(
+            d in _DTYPE_NAMES or (d is None and isinstance(entry, tuple)) for d in pair
+        )
+        if not ok:
+            raise ValueError(
+                f"{_API}: param_dtypes entry {entry!r} is not a floating dtype of "
+                f"{sorted(_DTYPE_NAMES.values())} (or a pair of them, None for the "
+                f"parameters' own); {fix}."
             )
-    return mesh, world, device_type, int(budget)
+    return tuple(param_dtypes)
 
 
-def _check_types(tp_plan, forward_fn, hardware, dry_run, check_first_step, blocks) -> None:
+def _check_types(tp_plan, forward_fn, hardware, dry_run, check_first_step) -> None:
     from fsdp2.tools.planner import Hardware
 
     if hardware is not None and not isinstance(hardware, Hardware):
@@ -242,8 +367,36 @@ def _check_types(tp_plan, forward_fn, hardware, dry_run, check_first_step, block
     for name, value in (("dry_run", dry_run), ("check_first_step", check_first_step)):
         if not isinstance(value, bool):
             raise TypeError(f"{_API}: {name} must be True or False, got {value!r}.")
-    if blocks is not None and not all(isinstance(b, nn.Module) for b in blocks):
-        raise TypeError(f"{_API}: blocks must be a list of modules.")
+
+
+def _check_blocks(model: nn.Module, blocks) -> list | None:
+    """``blocks`` as a list (a generator is read once, here), each a distinct submodule of
+    ``model``; None stays None (the profile finds them)."""
+    if blocks is None:
+        return None
+    fix = "pass a list of the model's blocks, such as list(model.layers), or None"
+    if isinstance(blocks, nn.Module) and not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+        raise TypeError(
+            f"{_API}: blocks must be a list of modules, got one {type(blocks).__name__}; {fix}."
+        )
+    try:
+        blocks = list(blocks)
+    except TypeError:
+        raise TypeError(
+            f"{_API}: blocks must be a list of modules, got {type(blocks).__name__}; {fix}."
+        ) from None
+    if not blocks or not all(isinstance(b, nn.Module) for b in blocks):
+        raise TypeError(f"{_API}: blocks must be a non-empty list of modules; {fix}.")
+    mine = {id(m) for m in model.modules() if m is not model}
+    strangers = [i for i, b in enumerate(blocks) if id(b) not in mine]
+    if strangers:
+        raise ValueError(
+            f"{_API}: blocks[{strangers[0]}] ({type(blocks[strangers[0]]).__name__}) is not a "
+            f"submodule of the model; {fix}."
+        )
+    if len({id(b) for b in blocks}) != len(blocks):
+        raise ValueError(f"{_API}: blocks lists a module twice; {fix}.")
+    return blocks
 
 
 def _mesh_or_world(mesh_or_world):
@@ -273,6 +426,16 @@ def _mesh_or_world(mesh_or_world):
                 f"with one shard dim ('dp_shard' or 'dp'); got {names or None}. Build it "
                 'with init_device_mesh(device, (2, 4), mesh_dim_names=("dp_shard", "tp")), '
                 "or pass the world size and let the search pick the degrees."
+            )
+        sizes = dict(zip(names, mesh.shape, strict=True))
+        shard = sizes.get("dp_shard", sizes.get("dp"))
+        if sizes.get("dp_replicate", 1) > 1 and shard < 2:
+            raise ValueError(
+                f"{_API}: the mesh replicates over {sizes['dp_replicate']} ranks but shards "
+                f"over {shard} (mesh {sizes}); the layouts searched shard over at least 2 "
+                "ranks (HSDP: replicas of sharded groups). Name that dim 'dp_shard' "
+                "(init_device_mesh(device, (2,), mesh_dim_names=('dp_shard',))), or pass "
+                "the world size."
             )
         world = mesh.size()
         if initialized and world != dist.get_world_size():
@@ -335,15 +498,25 @@ def _check_tp(model: nn.Module, tp: int, tp_plan) -> None:
     _check_divisible(model, tp)
 
 
-def _default_hardware(device_type: str):
+# an all-reduce of memories by MAX of their negatives: a rank without one sends this
+_NO_MEMORY = 1 << 62
+
+
+def _device_memory(device_type: str) -> int | None:
+    """This rank's device memory in bytes (CUDA), else None."""
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
+
+def _default_hardware(device_type: str, memory: int | None):
+    """``CPU`` on a CPU mesh, else ``H100`` with ``memory`` (the smallest device's of the
+    ranks: they search alike)."""
     from fsdp2.tools.planner import CPU, H100
 
     if device_type != "cuda":
         return CPU
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        return replace(H100, memory=int(props.total_memory))
-    return H100
+    return replace(H100, memory=int(memory)) if memory else H100
 
 
 def _builder_name(build_model) -> str:
@@ -379,6 +552,53 @@ def _dry_run_source(model: nn.Module, build_model) -> dict:
     return {"build_model": _builder_name(build_model)}
 
 
+def _dry_run_loss(model: nn.Module, forward_fn, seq_len: int) -> dict:
+    """How the dry run's step gets its loss: ``{"loss": loss_payload(forward_fn) or None,
+    "collectives": whether to compare them, "note": what the plan says (or None)}``.
+
+    ``forward_fn`` goes to the fresh process when it can; else the step uses the sum of
+    the logits when the model's output has them; else the dry run compares no collectives
+    (a warning): never a mismatch the loss made up."""
+    from fsdp2.auto._proof import loss_payload
+
+    if forward_fn is None:
+        return {"loss": None, "collectives": True, "note": None}
+    sent = loss_payload(forward_fn)
+    if sent is not None:
+        return {"loss": sent, "collectives": True, "note": None}
+    name = getattr(forward_fn, "__qualname__", type(forward_fn).__name__)
+    why = (
+        f"forward_fn {name!r} cannot be sent to the dry run's fresh process (not importable "
+        "by name and not picklable without __main__)"
+    )
+    if _has_logits(model, seq_len):
+        note = f"the dry run's step used the sum of the logits: {why}"
+        return {"loss": None, "collectives": True, "note": note}
+    note = (
+        f"the dry run compared no collectives: {why}, and the model's output has no logits "
+        "for the default loss; pass a module-level forward_fn to have them compared"
+    )
+    if _rank() == 0:
+        logger.warning("%s: %s.", _API, note)
+    return {"loss": None, "collectives": False, "note": note}
+
+
+def _has_logits(model: nn.Module, seq_len: int) -> bool:
+    """Whether ``model(idx)`` on a meta copy gives a tensor or an output with ``.logits``
+    (what the dry run's default loss sums)."""
+    from fsdp2.tools.dry_run import meta_copy
+
+    try:
+        copy = meta_copy(model)
+        idx = torch.zeros((1, seq_len), dtype=torch.long, device="meta")
+        with torch.no_grad():
+            out = copy(idx)
+    except Exception:  # noqa: BLE001 - any failure: the default loss does not work
+        return False
+    logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+    return isinstance(logits, torch.Tensor)
+
+
 def _search(profile, world, budget, hardware, batch, margin, tp, rep, mesh, param_dtypes,
             offload, optimizer):  # fmt: skip
     from fsdp2.tools.search import search_layouts
@@ -400,22 +620,62 @@ def _search(profile, world, budget, hardware, batch, margin, tp, rep, mesh, para
 
 
 # ---------------------------------------------------------------------------- agreement
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _group_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _group_device() -> torch.device:
+    """Where the default group's collectives run: the CPU for gloo, else this GPU."""
+    backend = str(dist.get_backend()).lower()
+    if "gloo" in backend or "nccl" not in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _together(stage: str, error: BaseException | None, values: list[int]) -> list[int]:
+    """[Note: failing together] One all-reduce (MAX) over the default group of ``[this
+    rank failed, *values]``, before any group is created: when any rank failed, every
+    rank raises - the failing ones their own error, the others a ``PlanMismatchError``
+    naming the ranks that failed and their errors (one ``all_gather_object`` of a short
+    message, on that path only). Returns ``values`` reduced. Without a group of several
+    ranks: ``error`` raised, ``values`` returned."""
+    if _group_size() <= 1:
+        if error is not None:
+            raise error
+        return list(values)
+    t = torch.tensor([int(error is not None), *values], dtype=torch.int64, device=_group_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if int(t[0]) == 0:
+        return [int(v) for v in t[1:].tolist()]
+    mine = None if error is None else f"{type(error).__name__}: {str(error)[:500]}"
+    notes: list = [None] * _group_size()
+    dist.all_gather_object(notes, mine)
+    if error is not None:
+        raise error
+    failed = [r for r, n in enumerate(notes) if n is not None]
+    raise PlanMismatchError(
+        f"{_API}: rank(s) {failed} failed while {stage} (rank {failed[0]}: "
+        f"{notes[failed[0]]}); this rank did not. Every rank must call it with the same "
+        "arguments and an equal model; fix the error there.",
+        [f"rank {r}: {notes[r]}" for r in failed],
+    )
+
+
 def _plan_digest(plan: AutoPlan) -> int:
     return int.from_bytes(hashlib.sha256(plan.to_json().encode()).digest()[:7], "big")
 
 
-def _agree_on_plan(plan: AutoPlan, device_type: str) -> None:
-    """Every rank chose the same plan (one all-reduce of the plan's digest), else raise
-    on every rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    from fsdp2.auto._apply import _flag_device
-
-    d = _plan_digest(plan)
-    t = torch.tensor([d, -d], dtype=torch.int64, device=_flag_device(device_type))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    high, low = int(t[0]), -int(t[1])
-    if high != low:
+def _agree_on_plan(plan: AutoPlan | None, error: BaseException | None) -> None:
+    """Every rank planned without error and chose the same plan (one all-reduce of a
+    failure flag and the plan's digest), else raise on every rank ([Note: failing
+    together])."""
+    d = _plan_digest(plan) if plan is not None else 0
+    high, low = _together("planning", error, [d, -d])
+    if high != -low:
         raise PlanMismatchError(
             f"{_API}: the ranks chose different plans (this rank: {plan.config.describe()}); "
             "call it with the same arguments and an equal model on every rank (a "
@@ -423,19 +683,23 @@ def _agree_on_plan(plan: AutoPlan, device_type: str) -> None:
         )
 
 
-def _dry_run_proof(plan: AutoPlan, source: dict, tp_plan) -> None:
+def _dry_run_proof(plan: AutoPlan, proof: dict, tp_plan) -> None:
     """Rank 0 runs the dry run in a fresh process; every rank gets the verdict."""
     from fsdp2.auto._proof import run_in_fresh_process
 
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    rank0 = _rank() == 0
     verdict = [None]
     if rank0:
         try:
-            check = run_in_fresh_process(plan, tp_plan=tp_plan, **source)
+            source = {k: proof[k] for k in ("build_model", "model_bytes") if k in proof}
+            check = run_in_fresh_process(
+                plan, tp_plan=tp_plan, loss=proof["loss"], collectives=proof["collectives"],
+                **source,
+            )  # fmt: skip
             verdict = [(check.ok, check.summary(), check.mismatches)]
         except Exception as e:  # noqa: BLE001 - shared with the other ranks, then raised
             verdict = [(False, f"the dry run could not run: {type(e).__name__}: {e}", [])]
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if _group_size() > 1:
         dist.broadcast_object_list(verdict, src=0)
     ok, summary, mismatches = verdict[0]
     if not ok:

@@ -10,9 +10,13 @@ optimizer, found by a global optimizer pre-hook; no thread, nothing between step
 
 The measurement is the peak of live tensor bytes, what the planner predicts:
 
-* on CUDA, ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` at the
-  start of the window (everything allocated on the device counts: the batch, any other
-  model);
+* on CUDA, ``torch.cuda.max_memory_allocated`` (everything allocated on the device counts:
+  the batch, any other model). The check does not reset your peak counters: it records the
+  peak at the start of the window, and when the window's peak exceeds it (the usual case:
+  the first step with optimizer state is the largest yet), that is the measurement. When
+  an earlier, larger peak hides the window's (a checkpoint loaded on the device, say), it
+  measures the next step instead, after ``torch.cuda.reset_peak_memory_stats()`` - the one
+  case it resets them (logged);
 * on CPU, ``fsdp2.tools.memory.MemoryTracker`` over the model and the optimizer (a
   dispatch mode that sees every operator: that step runs a few times slower; don't enter
   other dispatch modes around it that outlive the step).
@@ -38,7 +42,7 @@ logger = logging.getLogger("fsdp2.auto")
 class FirstStepCheck:
     """Measure the first steady-state step of ``model`` and compare it with ``plan``
     ([Note: the first-step check]). Installed by ``auto_parallelize(...,
-    check_first_step=True)``; ``remove()`` takes it off early.
+    check_first_step=True)`` as ``plan.first_step_check``; ``remove()`` takes it off early.
 
     Attributes:
         state: ``"waiting"`` (for the first optimizer step), ``"armed"``, ``"measuring"``,
@@ -57,6 +61,8 @@ class FirstStepCheck:
         self._model = weakref.ref(model)
         self._device_type = device_type
         self._tracker = None
+        self._baseline: int | None = None  # CUDA: the peak counter at the window's start
+        self._reset_next = False
         self._optimizer = None
         self._attached: set[int] = set()
         self._pre_handle = register_optimizer_step_pre_hook(self._on_pre_step)
@@ -100,7 +106,11 @@ class FirstStepCheck:
     # ------------------------------------------------------------------ measurement
     def _start(self) -> None:
         if self._device_type == "cuda" and torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
+            if self._reset_next:
+                torch.cuda.reset_peak_memory_stats()
+                self._baseline = -1  # whatever the counter reads at the end is the window's
+            else:
+                self._baseline = int(torch.cuda.max_memory_allocated())
             return
         from fsdp2.tools.memory import MemoryTracker
 
@@ -115,6 +125,14 @@ class FirstStepCheck:
                 measured = int(self._tracker.peak)
             else:
                 measured = int(torch.cuda.max_memory_allocated())
+                if measured <= self._baseline:  # an earlier peak hides the window's
+                    self._reset_next = True
+                    self.state = "armed"
+                    logger.info("auto_parallelize: an earlier peak (%s) hides the second "
+                                "step's; the first-step check measures the next step after "
+                                "torch.cuda.reset_peak_memory_stats().",
+                                fmt_bytes(measured))  # fmt: skip
+                    return
         except Exception as e:  # noqa: BLE001 - a failed measurement must not stop training
             logger.warning("auto_parallelize: the first-step memory check failed (%s: %s).",
                            type(e).__name__, e)  # fmt: skip

@@ -97,14 +97,15 @@ class PlannedGroup:
 
 @dataclass(frozen=True)
 class Alternative:
-    """A layout the search also considered: its label, predicted peak and step time.
+    """A layout the search also considered: its label (``PlanConfig.describe()``),
+    predicted peak and step time, whether it fits and whether it was chosen.
 
     Example:
-        >>> [a.describe for a in plan.alternatives if a.chosen]
+        >>> [a.layout for a in plan.alternatives if a.chosen]
         ['fsdp 2 2blk keep-last1 ac1blk bf16']
     """
 
-    describe: str
+    layout: str
     peak_bytes: int
     step_s: float
     fits: bool
@@ -143,10 +144,17 @@ class AutoPlan:
         hardware: the name of the hardware model.
         alternatives: a few layouts the search also considered, fastest first.
         measured_peak: the peak measured after the first training step (None before).
+        notes: what the proofs did not cover, and why (a dry run without the collectives,
+            say); printed with the plan.
+        mesh: the ``DeviceMesh`` the plan was applied over (``auto_parallelize`` sets it;
+            None for a plan read from JSON; not serialized).
+        first_step_check: the ``FirstStepCheck`` ``auto_parallelize`` installed (None:
+            none); ``plan.first_step_check.remove()`` takes it off. Not serialized.
 
     Example:
         >>> plan = auto_parallelize(model, 8, memory_budget="80GB", batch=16, seq_len=2048)
         >>> print(plan)
+        >>> dp_rank, dp_size = plan.data_parallel_rank(dist.get_rank())  # which rows to feed
         >>> plan.calls()[-1]
         'fully_shard(model, mesh=mesh["dp_shard"], mp_policy=MixedPrecisionPolicy(...))'
     """
@@ -175,6 +183,9 @@ class AutoPlan:
     hardware: str = ""
     alternatives: list[Alternative] = field(default_factory=list)
     measured_peak: int | None = None
+    notes: list[str] = field(default_factory=list)
+    mesh: object = field(default=None, compare=False, repr=False)
+    first_step_check: object = field(default=None, compare=False, repr=False)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -201,9 +212,8 @@ class AutoPlan:
             budget / margin: recorded (``search_layouts``' result has them).
             considered: the search's other estimates; the first ``top`` are kept.
             mesh_shape / mesh_dim_names: a user's mesh (default ``dry_run.mesh_for``'s):
-                dims named from ``"dp_replicate"``, ``"dp_shard"`` (or ``"dp"``) and
-                ``"tp"``, in that order, their sizes the configuration's (dims of size one
-                may be left out or kept).
+                dims from ``"dp_replicate"``, ``"dp_shard"`` (or ``"dp"``), ``"tp"`` in that
+                order, of the configuration's sizes (those of size one left out or kept).
             device_type: ``"cuda"`` or ``"cpu"`` (default: the estimate's hardware's).
 
         Raises:
@@ -215,85 +225,29 @@ class AutoPlan:
         """
         from fsdp2.tools.dry_run import mesh_for
 
-        cfg = est.config
+        cfg, hw = est.config, est.hardware
         shape, names = mesh_for(cfg.world_size, tp=cfg.tp, dp_replicate=cfg.dp_replicate)
         if mesh_dim_names is not None:
             shape, names = _user_mesh(tuple(mesh_shape or ()), tuple(mesh_dim_names), cfg)
-        shard_dim = "dp" if "dp" in names else "dp_shard"
         fqn_of = {id(m): n for n, m in profile.model.named_modules()}
         blocks = tuple(fqn_of[id(b)] for b in profile.blocks)
-        n_block_groups = sum(g.name != "root" for g in est.groups)
-        groups, j = [], 0
-        has_root = False
-        for g in est.groups:
-            params = tuple(
-                PlannedParam(p.fqn, tuple(p.shape), p.tp_dim if cfg.tp > 1 else None)
-                for p in g.params
-            )
-            if g.name == "root":
-                has_root = True
-                groups.append(PlannedGroup("root", ("",), None, g.shard_numel,
-                                           g.unsharded_numel, params))  # fmt: skip
-                continue
-            groups.append(
-                PlannedGroup(
-                    g.name,
-                    tuple(blocks[i] for i in g.blocks),
-                    cfg.reshards(j, n_block_groups),
-                    g.shard_numel,
-                    g.unsharded_numel,
-                    params,
-                )
-            )
-            j += 1
-        if not has_root:  # the root is always sharded (it runs the iteration), maybe empty
-            groups.insert(0, PlannedGroup("root", ("",), None, 0, 0, ()))
-        hw = est.hardware
-        chosen = cfg.describe()
-        limit = None if budget is None else budget / (1 + (margin or 0.0))
-        alternatives = [
-            Alternative(
-                e.config.describe(),
-                int(e.peak_bytes),
-                float(e.step_s),
-                limit is None or e.peak_bytes <= limit,
-                e.config == cfg,
-            )
-            for e in list(considered)[:top]
-        ]
-        if considered and not any(a.chosen for a in alternatives):
-            alternatives.insert(0, Alternative(chosen, est.peak_bytes, est.step_s, True, True))
-        collectives = {
-            (kind, shard_dim if dim == "dp_shard" else dim): (int(c), int(b))
-            for (kind, dim), (c, b) in est.collectives.items()
-        }
-        tp_plan = {}
-        if cfg.tp > 1 and profile.tp_plan:
-            tp_plan = {k: type(v).__name__ for k, v in profile.tp_plan.items()}
         return cls(
             config=cfg,
             mesh_shape=shape,
             mesh_dim_names=names,
             device_type=device_type or (hw.device if hw is not None else "cuda"),
             blocks=blocks,
-            groups=groups,
+            groups=_planned_groups(est, blocks),
             checkpointed=tuple(blocks[i] for i in sorted(cfg.checkpointed(len(blocks)))),
-            tp_plan=tp_plan,
+            tp_plan=_tp_entries(cfg, profile),
             tp_plan_source=tp_plan_source,
-            predicted_peak=int(est.peak_bytes),
-            peak_phase=est.peak_phase,
-            categories={k: int(v) for k, v in est.categories.items()},
-            allocator_bytes=int(est.allocator_bytes),
             budget=budget,
             margin=margin,
-            step_s=float(est.step_s),
-            compute_s=float(est.compute_s),
-            comm_s=float(est.comm_s),
-            collectives=collectives,
             global_batch=cfg.batch_size * cfg.dp,
             seq_len=int(profile.seq_len),
             hardware=hw.name if hw is not None else "",
-            alternatives=alternatives,
+            alternatives=_alternatives(est, list(considered)[:top], budget, margin),
+            **_predictions(est, "dp" if "dp" in names else "dp_shard"),
         )
 
     # ------------------------------------------------------------------ derived
@@ -372,6 +326,33 @@ class AutoPlan:
             coord.append(rank % size)
             rank //= size
         return tuple(reversed(coord))
+
+    def data_parallel_rank(self, rank: int | None = None) -> tuple[int, int]:
+        """``(index, size)`` of ``rank``'s data-parallel group: which ``plan.batch_size``
+        rows of the global batch it feeds, of how many (``plan.dp``). The ranks of one
+        tensor-parallel group share an index: they must feed the same rows. ``rank``
+        defaults to this process's (``dist.get_rank()``).
+
+        Example:
+            >>> plan.mesh_shape, [plan.data_parallel_rank(r) for r in range(4)]
+            ((2, 2), [(0, 2), (0, 2), (1, 2), (1, 2)])
+            >>> index, size = plan.data_parallel_rank()
+            >>> x = global_batch[index * plan.batch_size:(index + 1) * plan.batch_size]
+        """
+        if rank is None:
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(
+                f"AutoPlan.data_parallel_rank: rank must be an int in [0, {self.world_size}) "
+                f"(a global rank of the plan's world), got {rank!r}."
+            )
+        index = 0
+        for name, size, c in zip(self.mesh_dim_names, self.mesh_shape, self.coordinate_of(rank)):
+            if name != "tp":
+                index = index * size + c
+        return index, self.dp
 
     def shard_numel_for(self, rank: int | tuple[int, ...]) -> dict[str, int]:
         """``{group name: elements of its shards}`` on ``rank`` (a global rank or a mesh
@@ -476,7 +457,7 @@ class AutoPlan:
             >>> AutoPlan.from_dict(plan.to_dict()) == plan
             True
         """
-        return plan_from_dict(cls, d)
+        return plan_from_dict(cls, d, PlannedGroup, PlannedParam, Alternative)
 
     def to_json(self, indent: int | None = 1) -> str:
         """The plan as JSON text.
@@ -506,6 +487,70 @@ class AutoPlan:
     # ------------------------------------------------------------------ text
     def __str__(self) -> str:
         return render_table(self)
+
+
+def _planned_groups(est, blocks: tuple[str, ...]) -> list[PlannedGroup]:
+    """The ``fully_shard`` calls of the estimate, the root's first (an empty one when the
+    root holds no parameters: it is always sharded, it runs the iteration)."""
+    cfg = est.config
+    n_block_groups = sum(g.name != "root" for g in est.groups)
+    root, groups = PlannedGroup("root", ("",), None, 0, 0, ()), []
+    for g in est.groups:
+        params = tuple(
+            PlannedParam(p.fqn, tuple(p.shape), p.tp_dim if cfg.tp > 1 else None) for p in g.params
+        )
+        if g.name == "root":
+            root = PlannedGroup("root", ("",), None, g.shard_numel, g.unsharded_numel, params)
+            continue
+        raf = cfg.reshards(len(groups), n_block_groups)
+        modules = tuple(blocks[i] for i in g.blocks)
+        groups.append(PlannedGroup(g.name, modules, raf, g.shard_numel, g.unsharded_numel, params))
+    return [root, *groups]
+
+
+def _tp_entries(cfg, profile) -> dict:
+    """``{module pattern: style class name}`` of the profile's tensor-parallel plan, where
+    the layout uses it."""
+    if cfg.tp <= 1 or not profile.tp_plan:
+        return {}
+    return {k: type(v).__name__ for k, v in profile.tp_plan.items()}
+
+
+def _alternatives(est, considered: list, budget, margin) -> list[Alternative]:
+    """The layouts ``considered`` as ``Alternative``s, the chosen one included."""
+    cfg = est.config
+    limit = None if budget is None else budget / (1 + (margin or 0.0))
+    out = [
+        Alternative(
+            e.config.describe(),
+            int(e.peak_bytes),
+            float(e.step_s),
+            limit is None or e.peak_bytes <= limit,
+            e.config == cfg,
+        )
+        for e in considered
+    ]
+    if considered and not any(a.chosen for a in out):
+        out.insert(0, Alternative(cfg.describe(), est.peak_bytes, est.step_s, True, True))
+    return out
+
+
+def _predictions(est, shard_dim: str) -> dict:
+    """The planner's predictions of the estimate, as ``AutoPlan`` fields (collectives on
+    the shard dim named ``shard_dim``)."""
+    return dict(
+        predicted_peak=int(est.peak_bytes),
+        peak_phase=est.peak_phase,
+        categories={k: int(v) for k, v in est.categories.items()},
+        allocator_bytes=int(est.allocator_bytes),
+        step_s=float(est.step_s),
+        compute_s=float(est.compute_s),
+        comm_s=float(est.comm_s),
+        collectives={
+            (kind, shard_dim if dim == "dp_shard" else dim): (int(c), int(b))
+            for (kind, dim), (c, b) in est.collectives.items()
+        },
+    )
 
 
 def _user_mesh(shape: tuple[int, ...], names: tuple[str, ...], cfg: PlanConfig):

@@ -3,6 +3,7 @@ JSON-ready ``dict`` (and back)."""
 
 from __future__ import annotations
 
+import keyword
 from dataclasses import asdict, fields
 
 import torch
@@ -42,11 +43,11 @@ def fmt_bytes(n: float | None) -> str:
 def module_expr(fqn: str, root: str = "model") -> str:
     """The Python expression of the submodule ``fqn`` of ``root``: ``"blocks.3"`` ->
     ``model.blocks[3]``, ``""`` -> ``model``; a name that is neither an identifier nor an
-    index goes through ``get_submodule``.
+    index, or is a Python keyword (``in``, ``class``), goes through ``get_submodule``.
 
     Example:
-        >>> module_expr("model.layers.0")
-        'model.model.layers[0]'
+        >>> module_expr("model.layers.0"), module_expr("blocks.0.in")
+        ('model.model.layers[0]', "model.get_submodule('blocks.0.in')")
     """
     if not fqn:
         return root
@@ -54,7 +55,7 @@ def module_expr(fqn: str, root: str = "model") -> str:
     for part in fqn.split("."):
         if part.isdigit():
             out += f"[{int(part)}]"
-        elif part.isidentifier():
+        elif part.isidentifier() and not keyword.iskeyword(part):
             out += f".{part}"
         else:
             return f"{root}.get_submodule({fqn!r})"
@@ -186,9 +187,11 @@ def render_table(plan) -> str:
         for a in plan.alternatives:
             mark = "*" if a.chosen else (" " if a.fits else "x")
             lines.append(
-                f"   {mark} {a.describe:<40} peak {fmt_bytes(a.peak_bytes):>10}  "
+                f"   {mark} {a.layout:<40} peak {fmt_bytes(a.peak_bytes):>10}  "
                 f"step {a.step_s:.4g} s"
             )
+    for note in plan.notes:
+        lines.append(f"  note         {note}")
     return "\n".join(lines)
 
 
@@ -231,13 +234,13 @@ def plan_to_dict(plan) -> dict:
         "hardware": plan.hardware,
         "alternatives": [asdict(a) for a in plan.alternatives],
         "measured_peak": plan.measured_peak,
+        "notes": list(plan.notes),
     }
 
 
-def plan_from_dict(cls, d: dict):
-    """``AutoPlan.from_dict``."""
-    from fsdp2.auto._plan import Alternative, PlannedGroup, PlannedParam
-
+def plan_from_dict(cls, d: dict, PlannedGroup, PlannedParam, Alternative):  # noqa: N803
+    """``AutoPlan.from_dict`` (the plan's classes passed in: ``_plan`` imports this
+    module)."""
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         got = d.get("format") if isinstance(d, dict) else type(d).__name__
         raise ValueError(
@@ -278,6 +281,12 @@ def plan_from_dict(cls, d: dict):
         global_batch=int(d["global_batch"]),
         seq_len=int(d["seq_len"]),
         hardware=d["hardware"],
-        alternatives=[Alternative(**a) for a in d["alternatives"]],
+        alternatives=[Alternative(**_alternative(a)) for a in d["alternatives"]],
         measured_peak=d["measured_peak"],
+        notes=list(d.get("notes", [])),
     )
+
+
+def _alternative(a: dict) -> dict:
+    """An alternative's fields (its label was ``"describe"`` in earlier plan files)."""
+    return {("layout" if k == "describe" else k): v for k, v in a.items()}

@@ -16,12 +16,16 @@ whose parameters are still on meta at the first forward gathers and computes on 
 ([Note: dry run on meta] in ``fsdp2/_param_group.py``).
 
 ``dry_run_plan`` does the same for an ``fsdp2.auto.AutoPlan``: the layout is the plan's,
-applied by ``plan.apply`` (so groups of several blocks, per-group ``reshard_after_forward``
-and per-block checkpointing are the plan's), and the step runs at the plan's micro-batch
-and sequence length. ``fsdp2.auto.verify_plan`` compares the result with the plan
-(``python -m fsdp2.auto --plan plan.json --build-model pkg.mod:fn`` for a plan file);
-``auto_parallelize`` runs it in a fresh process, since the fake group needs a process
-without a process group.
+applied by the ``layout`` callable its caller passes (``fsdp2.auto.verify_plan`` passes
+``plan.apply``, so groups of several blocks, per-group ``reshard_after_forward`` and
+per-block checkpointing are the plan's; this module never imports ``fsdp2.auto``), and the
+step runs at the plan's micro-batch and sequence length. ``fsdp2.auto.verify_plan``
+compares the result with the plan (``python -m fsdp2.auto --plan plan.json --build-model
+pkg.mod:fn`` for a plan file); ``auto_parallelize`` runs it in a fresh process, since the
+fake group needs a process without a process group.
+
+Each dry run restores ``sys.excepthook`` after it: ``init_process_group`` wraps it to prefix
+tracebacks with ``[rank<r>]:``, and several dry runs in one process would stack the prefixes.
 
 Example:
     >>> from examples.gpt import GPT, GPTConfig
@@ -34,7 +38,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -43,7 +49,15 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DryRunReport", "dry_run", "dry_run_plan", "mesh_for", "meta_copy"]
+__all__ = [
+    "DryRunReport",
+    "dry_run",
+    "dry_run_plan",
+    "mesh_for",
+    "meta_copy",
+    "built_groups",
+    "is_checkpointed",
+]
 
 
 @dataclass
@@ -171,12 +185,9 @@ def dry_run(
         >>> report.counts
     """
     _require_no_process_group()
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     t0 = time.perf_counter()
     shape, names = mesh_for(world_size, tp=tp, dp_replicate=dp_replicate)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
+    with _fake_world(rank, world_size):
         model = _laid_out_meta_model(
             build_model,
             shape,
@@ -189,8 +200,6 @@ def dry_run(
         report = DryRunReport(world_size, rank, dict(zip(names, shape, strict=True)))
         report.shard_numel = _shard_numel(model)
         report.counts, report.bytes = _step_collectives(model, loss_fn, batch_size, seq_len)
-    finally:
-        dist.destroy_process_group()
     report.seconds = time.perf_counter() - t0
     logger.info("dry run of %d ranks took %.1f s", world_size, report.seconds)
     return report
@@ -203,6 +212,26 @@ def _require_no_process_group() -> None:
             "dry_run: torch.distributed is already initialized in this process; the dry run "
             "needs a fake process group of its own. Run it in a fresh process."
         )
+
+
+@contextlib.contextmanager
+def _fake_world(rank: int, world_size: int):
+    """The fake default process group for the block, destroyed after it; and
+    ``sys.excepthook`` restored: ``init_process_group`` wraps it (a ``[rank<r>]:`` prefix on
+    every traceback line), and each further dry run in the process would wrap it again.
+    Only torch's wrapper is undone."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    hook = sys.excepthook
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        if sys.excepthook is not hook and (
+            getattr(sys.excepthook, "__name__", "") == "_distributed_excepthook"
+        ):
+            sys.excepthook = hook
 
 
 def _laid_out_meta_model(build_model, shape, names, **layout):
@@ -329,8 +358,9 @@ def build_on_meta(build_model):
     return model
 
 
-def import_builder(spec: str):
-    """The callable ``"package.module:function"`` names (``function`` may be dotted).
+def import_builder(spec: str, what: str = "build_model"):
+    """The callable ``"package.module:function"`` names (``function`` may be dotted);
+    ``what`` names the argument in the errors.
 
     Raises:
         ValueError: not of that form, not importable, or not callable.
@@ -344,8 +374,8 @@ def import_builder(spec: str):
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
         raise ValueError(
-            f"build_model={spec!r}: expected 'package.module:function' (a callable that "
-            "builds the model, importable in a fresh process)."
+            f"{what}={spec!r}: expected 'package.module:function' (a callable importable "
+            "in a fresh process)."
         )
     try:
         obj = importlib.import_module(module)
@@ -353,71 +383,128 @@ def import_builder(spec: str):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as e:
         raise ValueError(
-            f"build_model={spec!r} is not importable ({e}); name a module-level function "
+            f"{what}={spec!r} is not importable ({e}); name a module-level function "
             "on the Python path."
         ) from None
     if not callable(obj):
-        raise ValueError(f"build_model={spec!r} names {type(obj).__name__}, not a callable.")
+        raise ValueError(f"{what}={spec!r} names {type(obj).__name__}, not a callable.")
     return obj
 
 
+def is_checkpointed(module) -> bool:
+    """Whether ``torch.distributed._composable.checkpoint`` wraps ``module``.
+
+    Example:
+        >>> is_checkpointed(model.blocks[0])
+        True
+    """
+    from torch.distributed._composable.contract import _get_registry
+
+    registry = _get_registry(module)
+    return registry is not None and "checkpoint" in registry
+
+
+def built_groups(model, names: dict | None = None) -> dict[str, dict]:
+    """``{group name: {"numel": local shard elements, "reshard_after_forward": ...,
+    "params": parameter FQNs}}`` of every ``fully_shard`` call below ``model`` that has
+    parameters. A call is named ``names[module FQNs]`` (``names``: ``{tuple of the FQNs of
+    the modules one call takes: name}``, ``""`` for the root), else
+    ``"fully_shard(<fqns>)"``.
+
+    Example:
+        >>> built_groups(model, {("blocks.2",): "blocks[2]"})["blocks[2]"]["numel"]
+        7068
+    """
+    from fsdp2._state import states_below
+
+    names = names or {}
+    fqn_of = {id(m): n for n, m in model.named_modules()}
+    param_fqn = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for state in states_below([model]):
+        if state.group is None:
+            continue
+        mods = tuple(fqn_of.get(id(m), "?") for m in state.modules)
+        name = names.get(mods, f"fully_shard({', '.join(m or '<root>' for m in mods)})")
+        out[name] = {
+            "numel": sum(p.local.numel() for p in state.group.params),
+            "reshard_after_forward": state.group.reshard_after_forward,
+            "params": sorted(param_fqn.get(id(p.sharded_param), "?") for p in state.group.params),
+        }
+    return out
+
+
 def dry_run_plan(
-    plan, build_model, *, rank: int = 0, tp_plan: dict | None = None, loss_fn=None
+    plan, build_model, *, layout, rank: int = 0, loss_fn=None, collectives: bool = True
 ) -> DryRunReport:
     """Run ``plan`` (an ``fsdp2.auto.AutoPlan``) for rank ``rank`` of a simulated world of
-    the plan's size: the model built on meta, laid out by ``plan.apply`` over a mesh of
-    the plan's shape and dim names on the fake process group, one forward and backward
-    at the plan's micro-batch and sequence length under ``CommDebugMode``.
+    the plan's size: the model built on meta, laid out by ``layout(model, mesh)`` over a
+    mesh of the plan's shape and dim names on the fake process group, one forward and
+    backward at the plan's micro-batch and sequence length under ``CommDebugMode``.
 
     Args:
-        plan: the plan.
+        plan: the plan (read: ``world_size``, ``mesh_shape``, ``mesh_dim_names``,
+            ``groups``, ``blocks``, ``batch_size``, ``seq_len``).
         build_model: a callable returning the model (called under meta), a
             ``"module:function"`` string naming one, or the model (copied to meta).
+        layout: ``layout(model, mesh)`` lays the model out as planned
+            (``fsdp2.auto.verify_plan`` passes ``plan.apply`` without its check).
         rank: the simulated rank to play.
-        tp_plan: with tensor parallelism, the ``parallelize_module`` plan (default:
-            ``tp_plan_for(model)``, as ``plan.apply``).
         loss_fn: ``loss_fn(model, idx) -> loss`` (default: the sum of the logits).
+        collectives: run the step (False: shard sizes and layout only, no collectives).
 
     Raises:
         RuntimeError: a process group already exists here (run it in a fresh process).
         ValueError: a rank outside the world, or a model that is not the plan's.
 
     Example:
-        >>> report = dry_run_plan(plan, lambda: GPT(cfg), rank=63)
+        >>> report = dry_run_plan(plan, lambda: GPT(cfg), rank=63,
+        ...                       layout=functools.partial(plan.apply, check=False))
         >>> report.shard_numel, report.counts
     """
+    _check_plan_run(plan, rank, layout)
+    from device_mesh import init_device_mesh
+
+    t0 = time.perf_counter()
+    model = build_on_meta(build_model)
+    shape, names = tuple(plan.mesh_shape), tuple(plan.mesh_dim_names)
+    with _fake_world(rank, plan.world_size):
+        layout(model, init_device_mesh("cpu", shape, mesh_dim_names=names))
+        report = _plan_report(plan, model, rank)
+        if collectives:
+            report.counts, report.bytes = _step_collectives(
+                model, loss_fn, plan.batch_size, max(plan.seq_len, 1)
+            )
+    report.seconds = time.perf_counter() - t0
+    logger.info("dry run of the plan at rank %d of %d took %.1f s", rank, plan.world_size,
+                report.seconds)  # fmt: skip
+    return report
+
+
+def _check_plan_run(plan, rank, layout) -> None:
+    """What ``dry_run_plan`` needs, checked before the fake group exists."""
     _require_no_process_group()
     if not isinstance(rank, int) or not 0 <= rank < plan.world_size:
         raise ValueError(
             f"dry_run_plan: rank must be in [0, {plan.world_size}) for the plan's world, "
             f"got {rank!r}."
         )
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from device_mesh import init_device_mesh
-    from fsdp2.auto._apply import built_groups, is_checkpointed
-
-    t0 = time.perf_counter()
-    model = build_on_meta(build_model)
-    shape, names = tuple(plan.mesh_shape), tuple(plan.mesh_dim_names)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
-    try:
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        plan.apply(model, mesh, tp_plan=tp_plan, check=False)
-        report = DryRunReport(plan.world_size, rank, dict(zip(names, shape, strict=True)))
-        built = built_groups(plan, model)
-        report.shard_numel = {name: g["numel"] for name, g in built.items()}
-        report.layout = {
-            "reshard_after_forward": {n: g["reshard_after_forward"] for n, g in built.items()},
-            "checkpointed": [f for f in plan.blocks if is_checkpointed(model.get_submodule(f))],
-            "params": {n: g["params"] for n, g in built.items()},
-        }
-        report.counts, report.bytes = _step_collectives(
-            model, loss_fn, plan.batch_size, max(plan.seq_len, 1)
+    if not callable(layout):
+        raise TypeError(
+            f"dry_run_plan: layout must be a callable layout(model, mesh), such as "
+            f"plan.apply, got {type(layout).__name__}."
         )
-    finally:
-        dist.destroy_process_group()
-    report.seconds = time.perf_counter() - t0
-    logger.info("dry run of the plan at rank %d of %d took %.1f s", rank, plan.world_size,
-                report.seconds)  # fmt: skip
+
+
+def _plan_report(plan, model, rank: int) -> DryRunReport:
+    """The report of a laid-out model (its groups named as the plan's), without the step."""
+    names = dict(zip(plan.mesh_dim_names, plan.mesh_shape, strict=True))
+    report = DryRunReport(plan.world_size, rank, names)
+    built = built_groups(model, {tuple(g.modules): g.name for g in plan.groups})
+    report.shard_numel = {name: g["numel"] for name, g in built.items()}
+    report.layout = {
+        "reshard_after_forward": {n: g["reshard_after_forward"] for n, g in built.items()},
+        "checkpointed": [f for f in plan.blocks if is_checkpointed(model.get_submodule(f))],
+        "params": {n: g["params"] for n, g in built.items()},
+    }
     return report

@@ -128,6 +128,9 @@ class Hardware:
         host_optimizer: parameters/s the optimizer step updates on the host under offload.
         overlap: whether FSDP's collectives overlap compute (separate streams and copy
             engines on GPUs); on a CPU the same cores do both, so they add up.
+        collective_latency: seconds each tensor-parallel collective costs beyond its bytes
+            (a redistribution's dispatch, copies and the messages' round trips: what makes
+            many small collectives slow where few large ones are not).
         offload_allocator_factor: the same under CPU offload (None: ``allocator_factor``).
         allocator_factor: what the allocator holds at the peak over the live tensor bytes
             the model predicts (the CUDA caching allocator's reserved bytes; on CPU the
@@ -152,6 +155,7 @@ class Hardware:
     host_bw: float = 25e9
     host_optimizer: float = 1e9
     overlap: bool = True
+    collective_latency: float = 0.0
     allocator_factor: float = 1.0
     offload_allocator_factor: float | None = None
 
@@ -184,15 +188,19 @@ H100 = Hardware(
     dtype_speed=(("fp32", 0.5),),
     allocator_factor=1.35,
     offload_allocator_factor=1.55,
+    collective_latency=2e-5,
 )
-#: This kind of machine: gloo over loopback on a couple of shared cores (about 20 GFLOP/s a
-#: rank in fp32 and 2 GB/s between processes, measured by benchmarks/train_bench.py's step
-#: times; rough: the machine is shared). A GPT step in bf16 ran 1.6x faster than in fp32
-#: here (one thread; fp16 matmuls 35x slower); the resident set grows up to 1.25x the live
-#: tensor bytes (glibc's arenas).
+#: This kind of machine: gloo over loopback on a couple of shared cores: about 55 GFLOP/s a
+#: rank in fp32 (GPTs of width 192-256 trained at 54-63 by the planner's FLOP count,
+#: benchmarks/auto_plan_bench.py; width 128 at 24-30), 2 GB/s between processes, about 2.2
+#: ms per tensor-parallel collective beyond its bytes (same benchmark: TP 2 took 0.378 s a
+#: step where the bytes alone predict 12 ms of its collectives); a GPT step in bf16 ran 1.6x
+#: faster than in fp32 (one thread; fp16 matmuls 35x slower); the resident set grew to
+#: 1.35-1.56x the predicted live peak over the process's baseline (glibc keeps freed heap
+#: resident), so the allocator factor is 1.6.
 CPU = Hardware(
     "CPU (gloo, loopback)",
-    20e9,
+    55e9,
     1.0,
     2e9,
     2e9,
@@ -201,7 +209,8 @@ CPU = Hardware(
     device="cpu",
     dtype_speed=(("bf16", 1.6), ("fp16", 0.03)),
     overlap=False,
-    allocator_factor=1.25,
+    collective_latency=2.2e-3,
+    allocator_factor=1.6,
 )
 
 
@@ -1512,13 +1521,15 @@ def _tp_seconds(profile: ModelProfile, cfg: PlanConfig, est: Estimate, hw: Hardw
     if known:
         moved = {"all_gather": lambda b: b * (k - 1), "reduce_scatter": lambda b: b * (k - 1) / k}
         default = lambda b: 2 * b * (k - 1) / k  # noqa: E731 (all-reduce)
-        return sum(moved.get(kind, default)(nbytes) / bw for kind, (_c, nbytes) in known)
+        seconds = sum(moved.get(kind, default)(nbytes) / bw for kind, (_c, nbytes) in known)
+        return seconds + sum(count for _kind, (count, _b) in known) * hw.collective_latency
     if k == 1:
         return 0.0
     tokens = cfg.batch_size * profile.seq_len
     act = tokens * profile.hidden * (cfg.param_dtype or torch.float32).itemsize
     passes = 2 + len(cfg.checkpointed(profile.n_blocks)) / max(profile.n_blocks, 1)
-    return passes * 4 * act * (k - 1) / k * profile.n_layers / bw
+    count = passes * 4 * profile.n_layers
+    return count * (act * (k - 1) / k / bw + hw.collective_latency)
 
 
 def _block_params(profile: ModelProfile, block: int) -> int:
