@@ -113,7 +113,7 @@ def smallest_fitting_world_size(
         >>> est.config.world_size if est else "no world size fits"
     """
     step = cfg.tp * cfg.dp_replicate
-    budget = int(budget / (1 + margin))  # the peak a fit may reach
+    budget = int((budget - hardware.allocator_overhead) / (1 + margin))  # the peak a fit may reach
 
     def at(world: int) -> Estimate:
         return estimate(profile, replace(cfg, world_size=world), hardware)
@@ -159,8 +159,14 @@ def _spell(how: str, change: str, *args) -> str:
     return _SPELLING[how][change].format(*args)
 
 
+def _need(est: Estimate, margin: float) -> float:
+    """The budget ``est`` needs: its peak with the margin and the allocator's overhead."""
+    overhead = est.hardware.allocator_overhead if est.hardware is not None else 0
+    return est.peak_bytes * (1 + margin) + overhead
+
+
 def _verdict(est: Estimate, budget: int, margin: float = 0.0) -> str:
-    need = est.peak_bytes * (1 + margin)
+    need = _need(est, margin)
     if need <= budget:
         return f"fits ({_gib(est.peak_bytes)})"
     return f"still {_gib(est.peak_bytes)}, {_gib(need - budget)} over"
@@ -225,7 +231,7 @@ class _Advisor:
         self.changes: dict = {}
         self.helped: list[str] = []
         self.changed = profile  # with bf16 parameters, once that helps
-        over = _gib(smallest.peak_bytes * (1 + margin) - budget)
+        over = _gib(_need(smallest, margin) - budget)
         by_category = ", ".join(
             f"{k} {_gib(v)}"
             for k, v in sorted(smallest.categories.items(), key=lambda kv: -kv[1])
@@ -304,7 +310,7 @@ class _Advisor:
         if len(self.helped) > 1:
             verdict = _verdict(est, self.budget, self.margin)
             self.lines.append(f"all of these together ({', '.join(self.helped)}): {verdict}")
-        return est.peak_bytes * (1 + self.margin) <= self.budget
+        return _need(est, self.margin) <= self.budget
 
     def more_ranks(self, limit: int, together_fits: bool) -> None:
         cfg, budget, margin = self.cfg, self.budget, self.margin

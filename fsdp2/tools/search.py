@@ -11,9 +11,11 @@ offload, the last resort. Of the layouts that fit, the fastest wins; of equally 
 the one that uses less memory.
 
 [Note: fitting with a margin] A layout fits when its predicted live peak times ``1 +
-margin`` is within the budget. The default margin is the hardware's measured
-``allocator_factor - 1``: what the CUDA caching allocator reserves (or the CPU process's
-resident set grows) beyond the live tensor bytes the planner predicts.
+margin``, plus the hardware's ``allocator_overhead``, is within the budget. The default
+margin is the hardware's measured ``allocator_factor - 1``: what the CUDA caching allocator
+reserves (or the CPU process's resident set grows) beyond the live tensor bytes the planner
+predicts; the overhead is what it holds whatever the model (8 MiB on this CPU, none on a
+GPU).
 
 Example:
     >>> profile = profile_model(model, seq_len=2048)
@@ -71,14 +73,21 @@ class NothingFitsError(ValueError):
 
     def __init__(self, smallest: Estimate, budget: int, margin: float, advice: list[str]):
         self.smallest, self.budget, self.margin, self.advice = smallest, budget, margin, advice
-        need = smallest.peak_bytes * (1 + margin)
+        need = _need(smallest.peak_bytes, smallest.hardware, margin)
+        overhead = smallest.hardware.allocator_overhead if smallest.hardware else 0
         lines = "".join(f"\n  - {a}" for a in advice)
         super().__init__(
             f"nothing fits: the smallest predicted peak is {fmt_bytes(smallest.peak_bytes)} "
-            f"({smallest.config.describe()}), {fmt_bytes(need)} with the {margin:.0%} margin, "
+            f"({smallest.config.describe()}), {fmt_bytes(need)} with the {margin:.0%} margin"
+            + (f" and the allocator's {fmt_bytes(overhead)}" if overhead else "")
+            + ", "
             f"over the budget of {fmt_bytes(budget)} a rank. "
             f"What each change would do:{lines or ' nothing the planner models helps.'}"
         )
+
+
+    def __reduce__(self):  # an exception is pickled by its args: rebuild from the fields
+        return (type(self), (self.smallest, self.budget, self.margin, self.advice))
 
 
 def fmt_bytes(n: float) -> str:
@@ -233,7 +242,12 @@ def _check_args(world_size, budget_bytes, margin, offload) -> None:
 
 
 def _fits(est: Estimate, budget: int, margin: float) -> bool:
-    return est.peak_bytes * (1 + margin) <= budget
+    return _need(est.peak_bytes, est.hardware, margin) <= budget
+
+
+def _need(peak: int, hardware: Hardware | None, margin: float) -> float:
+    """The budget a layout of live peak ``peak`` needs ([Note: fitting with a margin])."""
+    return peak * (1 + margin) + (hardware.allocator_overhead if hardware else 0)
 
 
 def _dtype_pair(entry):
@@ -339,7 +353,7 @@ def _fewest_checkpointed(profile, cfg, hardware, budget, margin) -> Estimate:
         return replace(cfg, checkpointed_blocks=tuple(range(c)))
 
     def fits(c: int) -> bool:
-        return peak_bytes(profile, with_ac(c), hardware) * (1 + margin) <= budget
+        return _need(peak_bytes(profile, with_ac(c), hardware), hardware, margin) <= budget
 
     if fits(0):
         return estimate(profile, with_ac(0), hardware)
