@@ -63,6 +63,7 @@ def test_train_2d_runs_fsdp_with_tensor_parallelism_under_torchrun():
     assert last < first, out.stdout
 
 
+@pytest.mark.nightly  # 19 s of two torchrun jobs; the checkpoint tests cover resuming in make test
 def test_train_gpt_resumes_exactly_from_its_checkpoint(tmp_path):
     """4 steps with a checkpoint at 2, against 2 steps resumed from that checkpoint: the
     step-4 checkpoints of the two runs hold bit-identical values. Off a terminal the script
