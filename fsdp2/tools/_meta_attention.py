@@ -149,20 +149,10 @@ def fused_attention_on_meta():
     """
     original = F.scaled_dot_product_attention
 
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-             enable_gqa=False):  # fmt: skip
+    def sdpa(query, key, value, *args, **kwargs):  # PyTorch's signature, passed through
         if query.device.type != "meta":
-            return original(
-                query,
-                key,
-                value,
-                attn_mask,
-                dropout_p,
-                is_causal,
-                scale=scale,
-                enable_gqa=enable_gqa,
-            )
-        return meta_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+            return original(query, key, value, *args, **kwargs)
+        return meta_attention(query, key, value, *args, **kwargs)
 
     F.scaled_dot_product_attention = sdpa
     try:
