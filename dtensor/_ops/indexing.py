@@ -156,6 +156,18 @@ def _mask(idx: torch.Tensor, start: int, size: int):
     return (idx >= start) & (idx < start + size)
 
 
+def _read_own_rows(op, xl, d, il, start, size, empty_shape, spread, *args, **kwargs):
+    """``op(xl, d, index)`` reading only this rank's rows ``[start, start + size)`` of dim
+    ``d``: an index of another rank's row reads row 0 and its result is zeroed (``spread``
+    shapes the mask like the output); an empty block gives zeros of ``empty_shape``. Summed
+    over the ranks (the output is Partial), that is the op on the whole tensor."""
+    if size == 0:
+        return xl.new_zeros(empty_shape)
+    mine = _mask(il, start, size)
+    out = op(xl, d, torch.where(mine, il - start, 0), *args, **kwargs)
+    return torch.where(spread(mine), out, 0)
+
+
 def _wrapped(idx: torch.Tensor, n: int) -> torch.Tensor:
     """``idx`` with negative entries counted from the end of a dim of size ``n`` (for the ops
     that accept them: ``index``, ``index_put``, ``index_fill``)."""
@@ -212,11 +224,9 @@ def gather_rule(schema: OpSchema) -> OutputSharding:
             xl = _narrow(xl, cuts)
             if not masked:
                 return aten.gather.default(xl, d, il, *args, **kwargs)
-            if size == 0:
-                return xl.new_zeros(il.shape)
-            mine = _mask(il, start, size)
-            out = aten.gather.default(xl, d, torch.where(mine, il - start, 0), *args, **kwargs)
-            return torch.where(mine, out, 0)
+            return _read_own_rows(
+                aten.gather.default, xl, d, il, start, size, il.shape, lambda m: m, *args, **kwargs
+            )
 
         return local
 
@@ -324,13 +334,12 @@ def index_select_rule(schema: OpSchema) -> OutputSharding:
         start, size = xo[dim], xs[dim]
 
         def local(xl, d, il):
-            if size == 0:
-                shape = list(xl.shape)
-                shape[dim] = il.numel()
-                return xl.new_zeros(shape)
-            mine = _mask(il, start, size)
-            out = aten.index_select.default(xl, d, torch.where(mine, il - start, 0))
-            return torch.where(mine.reshape(_shape_of(mine, xl.ndim, dim)), out, 0)
+            empty = [*xl.shape[:dim], il.numel(), *xl.shape[dim + 1 :]]
+
+            def spread(mine):
+                return mine.reshape(_shape_of(mine, xl.ndim, dim))
+
+            return _read_own_rows(aten.index_select.default, xl, d, il, start, size, empty, spread)
 
         return local
 
